@@ -1,0 +1,32 @@
+# The two commands of the README. Each creates the environment when it is missing.
+#   make run    the main job (the embedded default policy)
+#   make test   lint, type check and the whole test suite
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.lifecycle-installed
+PYTHON ?= python3
+
+.PHONY: run test env lint clean
+
+env: $(STAMP)
+
+# torch==2.13.0 first: an unpinned torch would pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
+	touch $@
+
+run: $(STAMP)
+	$(VENV)/bin/lifecycle explain --world-size 4
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check lifecycle tests bench examples
+	$(VENV)/bin/mypy lifecycle
+
+test: lint
+	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q -p no:randomly
+
+clean:
+	rm -rf $(VENV) runs

@@ -1,0 +1,3 @@
+from lifecycle.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,114 @@
+"""The `lifecycle` command: validate | explain | schema | run | timeline.
+
+User errors (bad policy, overrides, files, world size) print ``key.path: message (got VALUE)`` lines
+and exit 2 — never a traceback. ``validate``, ``explain`` and ``schema`` import neither torch nor megatron.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from lifecycle.errors import ExitCode, LifecycleError
+
+log = logging.getLogger("lifecycle")
+
+
+def _policy_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config-dir", "-d", help="folder with your policy YAML (searched before the built-ins)")
+    p.add_argument("--config-name", "-n", default="config", help="policy file name without .yaml")
+    p.add_argument("overrides", nargs="*", help="Hydra overrides: key=value, +key=value, ~key, group=option")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lifecycle", description=__doc__.split("\n")[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("validate", help="validate a policy; exit 0, or 2 with every error")
+    _policy_args(p)
+    p = sub.add_parser("explain", help="print the plan and the group layout of one rank")
+    p.add_argument("--world-size", "-w", type=int, help="compute the group layout for this world size")
+    p.add_argument("--rank", "-r", type=int, default=0, help="rank whose groups are shown (default 0)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    _policy_args(p)
+    sub.add_parser("schema", help="JSON Schema of the policy (for editors)")
+    p = sub.add_parser("run", help="run the lifecycle: local ranks, or this rank under torchrun/srun")
+    p.add_argument("--nproc", type=int, default=4, help="local ranks to start (ignored under torchrun/srun)")
+    _policy_args(p)
+    p = sub.add_parser("timeline", help="merge a run's per-rank events into a Chrome/Perfetto trace")
+    p.add_argument("run_dir", help="the run directory")
+    return parser
+
+
+def _validate(args: argparse.Namespace) -> int:
+    from lifecycle.policy.load import load, sha256
+
+    loaded = load(args.overrides, config_dir=args.config_dir, config_name=args.config_name)
+    p = loaded.policy
+    print(f"ok: {loaded.source} (sha256 {sha256(p)[:12]}) train={p.train.kind}x{p.train.steps} "
+          f"tp={p.parallelism.tp} pp={p.parallelism.pp} ep={p.parallelism.ep} "
+          f"warmup={len(p.warmup.ops)} ops checkpoint every {p.checkpoint.every_steps or 'never'}")
+    return ExitCode.OK
+
+
+def _explain(args: argparse.Namespace) -> int:
+    from lifecycle.explain import explain, render
+    from lifecycle.policy.load import load
+
+    loaded = load(args.overrides, config_dir=args.config_dir, config_name=args.config_name)
+    info = explain(loaded, args.world_size, args.rank)
+    print(json.dumps(info, indent=1) if args.json else render(info))
+    return ExitCode.OK
+
+
+def _schema(args: argparse.Namespace) -> int:
+    from lifecycle.policy.jsonschema import policy_json_schema
+
+    print(json.dumps(policy_json_schema(), indent=1))
+    return ExitCode.OK
+
+
+def _run(args: argparse.Namespace) -> int:
+    from lifecycle.runner import run
+
+    return run(args.overrides, nproc=args.nproc, config_dir=args.config_dir, config_name=args.config_name)
+
+
+def _timeline(args: argparse.Namespace) -> int:
+    from lifecycle.obs.timeline import main as timeline_main
+
+    return timeline_main(args.run_dir)
+
+
+COMMANDS = {"validate": _validate, "explain": _explain, "schema": _schema, "run": _run, "timeline": _timeline}
+
+
+def setup_logging(verbose: bool = False) -> None:
+    """One stderr handler with a ``[rank N]`` prefix (the library itself adds none)."""
+    rank = os.environ.get("RANK")
+    prefix = f"[rank {rank}] " if rank is not None else ""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"{prefix}%(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger("lifecycle")
+    root.handlers[:] = [handler]
+    root.setLevel(logging.DEBUG if verbose else logging.INFO)
+    root.propagate = False
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.verbose)
+    try:
+        return COMMANDS[args.command](args)
+    except LifecycleError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # `lifecycle schema | head`: the reader left, not an error
+        sys.stderr.close()
+        return ExitCode.OK

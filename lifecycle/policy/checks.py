@@ -1,0 +1,68 @@
+"""Cross-field rules of a policy. Each issue names the key path, the value and the fix."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from lifecycle.errors import PolicyIssue
+
+if TYPE_CHECKING:
+    from lifecycle.policy.schema import Policy
+
+
+def cross_field_issues(p: Policy) -> list[PolicyIssue]:
+    """Rules that span sections (the world size is not known here: see :func:`world_issues`)."""
+    issues: list[PolicyIssue] = []
+    dl = p.watchdog.deadlines
+    if p.teardown.deadline_s < dl.teardown:
+        issues.append(PolicyIssue(
+            "teardown.deadline_s",
+            f"must be >= watchdog.deadlines.teardown ({dl.teardown}); raise it or lower the deadline",
+            p.teardown.deadline_s))
+    if p.warmup.deadline_s is not None and p.warmup.deadline_s > dl.warmup:
+        issues.append(PolicyIssue(
+            "warmup.deadline_s", f"must be <= watchdog.deadlines.warmup ({dl.warmup})", p.warmup.deadline_s))
+    experts = getattr(p.train.options, "num_experts", None)
+    ep = p.parallelism.ep
+    if experts is not None and ep > 1:
+        if experts == 0:
+            issues.append(PolicyIssue("parallelism.ep", "ep > 1 needs a MoE model; set train.options."
+                                      "num_experts or parallelism.ep=1", ep))
+        elif ep > experts or experts % ep:
+            issues.append(PolicyIssue(
+                "parallelism.ep", f"must divide train.options.num_experts ({experts}); pick ep in "
+                f"{[d for d in range(1, experts + 1) if experts % d == 0]}", ep))
+    if p.moe.zero_token.action != "off" and experts == 0:
+        issues.append(PolicyIssue("moe.zero_token.action", "the model has no experts (train.options."
+                                  "num_experts=0); set it to off", p.moe.zero_token.action))
+    issues.extend(_fault_issues(p))
+    return issues
+
+
+def _fault_issues(p: Policy) -> list[PolicyIssue]:
+    issues: list[PolicyIssue] = []
+    for i, drill in enumerate(p.faults):
+        if drill.step is not None and drill.step > p.train.steps:
+            issues.append(PolicyIssue(f"faults.{i}.step", f"is after the last train step ({p.train.steps})",
+                                      drill.step))
+    return issues
+
+
+def world_issues(p: Policy, world_size: int) -> list[PolicyIssue]:
+    """Rules that need the real world size (checked by `explain --world-size` and at run time)."""
+    par = p.parallelism
+    issues: list[PolicyIssue] = []
+    mp = par.tp * par.pp * par.cp
+    if world_size % mp:
+        issues.append(PolicyIssue("parallelism", f"world size {world_size} is not divisible by "
+                                  f"tp*pp*cp = {par.tp}*{par.pp}*{par.cp} = {mp}", world_size))
+    emp = par.expert_tp * par.ep * par.pp
+    if world_size % emp:
+        issues.append(PolicyIssue("parallelism", f"world size {world_size} is not divisible by "
+                                  f"etp*ep*pp = {par.expert_tp}*{par.ep}*{par.pp} = {emp}", world_size))
+    for i, drill in enumerate(p.faults):
+        bad = [r for r in drill.ranks if r >= world_size]
+        if bad:
+            issues.append(PolicyIssue(f"faults.{i}.ranks", f"ranks {bad} do not exist at world size "
+                                      f"{world_size}", drill.ranks))
+    return issues

@@ -1,0 +1,186 @@
+"""Hydra composes, pydantic validates.
+
+compose (Hydra compose API over the built-in ``conf/``, user config dirs, installed policy packs and
+overrides) -> ``OmegaConf.to_container(resolve=True, throw_on_missing=True)`` -> ``Policy.model_validate``.
+Every failure on the way becomes a :class:`PolicyError` that lists ``key.path: message (got VALUE)``.
+Workers never compose: they read the resolved policy the launcher wrote to the run directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from lifecycle.errors import PolicyError, PolicyIssue
+from lifecycle.policy.errors import from_hydra, from_omegaconf, from_validation
+from lifecycle.policy.schema import Policy, is_schema_path
+
+RESOLVED_NAME = "policy.resolved.yaml"
+
+
+def builtin_conf_dir() -> Path:
+    """The built-in presets: ``lifecycle/conf`` when installed, ``conf/`` in a source tree."""
+    here = Path(__file__).resolve().parent.parent
+    for candidate in (here / "conf", here.parent / "conf"):
+        if (candidate / "config.yaml").is_file():
+            return candidate
+    raise FileNotFoundError(f"lifecycle's built-in conf/ is missing next to {here}")
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """A validated policy with the plain dict it came from and where it was composed from."""
+
+    policy: Policy
+    raw: dict[str, Any]
+    source: str
+    search_path: tuple[str, ...]
+
+
+def _search_path(config_dir: Path | None) -> list[Path]:
+    from lifecycle.policy.packs import pack_conf_dirs
+
+    dirs = [config_dir] if config_dir is not None else []
+    dirs.append(builtin_conf_dir())
+    dirs.extend(d for d in pack_conf_dirs() if d not in dirs)
+    return dirs
+
+
+def compose(overrides: Sequence[str] = (), *, config_dir: str | Path | None = None,
+            config_name: str = "config") -> tuple[dict[str, Any], list[Path]]:
+    """Compose the policy as a plain dict (interpolations resolved) and the search path used."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    user_dir = _user_dir(config_dir)
+    dirs = _search_path(user_dir)
+    source = f"{user_dir or dirs[0]}/{config_name}.yaml"
+    # The user's dir comes first so it can override any built-in or pack file of the same name.
+    searchpath = "hydra.searchpath=[" + ",".join(f"file://{d}" for d in dirs[1:]) + "]"
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(dirs[0]), version_base="1.3"):
+            cfg = hydra_compose(config_name=config_name,
+                                overrides=[*normalize_overrides(overrides), searchpath])
+
+    except OmegaConfBaseException as exc:
+        raise from_omegaconf(exc, source) from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{mark.name}:{mark.line + 1}:{mark.column + 1}" if mark else source
+        raise PolicyError.single(where, f"not valid YAML: {getattr(exc, 'problem', exc)}; fix the file",
+                                 has_value=False, source=source) from None
+    except Exception as exc:  # noqa: BLE001 - Hydra raises a zoo of types; all are user errors here
+        raise from_hydra(exc, source, overrides) from None
+    finally:
+        GlobalHydra.instance().clear()
+    try:
+        data = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    except OmegaConfBaseException as exc:
+        raise from_omegaconf(exc, source) from None
+    assert isinstance(data, dict)
+    return {str(k): v for k, v in data.items()}, dirs
+
+
+def normalize_overrides(overrides: Sequence[str]) -> list[str]:
+    """``key=value`` on a key the schema knows becomes ``++key=value``.
+
+    Hydra only overrides keys present in the composed YAML; policy keys left at their schema default are
+    absent there, so a plain ``checkpoint.async=true`` would be refused. A key the schema does not know is
+    passed on unchanged and Hydra's error names it.
+    """
+    out = []
+    for override in overrides:
+        key, sep, _ = override.partition("=")
+        if sep and key and key[0] not in "+~" and "." in key and is_schema_path(key):
+            override = "++" + override
+        out.append(override)
+    return out
+
+
+def _user_dir(config_dir: str | Path | None) -> Path | None:
+    if config_dir is None:
+        return None
+    path = Path(config_dir).expanduser().resolve()
+    if not path.is_dir():
+        raise PolicyError.single("--config-dir", "is not a directory; pass the folder that holds your "
+                                 "policy YAML", str(config_dir))
+    return path
+
+
+def validate(data: dict[str, Any], *, source: str | None = None) -> Policy:
+    """Validate a plain dict; every problem becomes one PolicyIssue."""
+    targets = list(_find_targets(data, ""))
+    if targets:
+        raise PolicyError([PolicyIssue(t, "a policy never names code: `_target_` is not allowed; choose a "
+                                       "handler by `kind` from the registry", "_target_") for t in targets],
+                          source=source)
+    try:
+        return Policy.model_validate(data)
+    except ValidationError as exc:
+        raise from_validation(exc, source) from None
+    except PolicyError as exc:
+        raise PolicyError(exc.issues, source=source) from None
+
+
+def _find_targets(node: Any, path: str) -> list[str]:
+    found: list[str] = []
+    if isinstance(node, dict):
+        for k, v in node.items():
+            key = f"{path}.{k}" if path else str(k)
+            if k == "_target_":
+                found.append(key)
+            found.extend(_find_targets(v, key))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            found.extend(_find_targets(v, f"{path}.{i}"))
+    return found
+
+
+def load(overrides: Sequence[str] = (), *, config_dir: str | Path | None = None,
+         config_name: str = "config") -> Loaded:
+    """Compose and validate a policy."""
+    data, dirs = compose(overrides, config_dir=config_dir, config_name=config_name)
+    source = f"{dirs[0]}/{config_name}.yaml"
+    policy = validate(data, source=source)
+    return Loaded(policy, data, source, tuple(str(d) for d in dirs))
+
+
+def to_plain(policy: Policy) -> dict[str, Any]:
+    """The policy as plain data with YAML key names (``async``, not ``async_``)."""
+    return policy.model_dump(mode="json", by_alias=True)
+
+
+def sha256(policy: Policy) -> str:
+    """A stable digest of the resolved policy (identical on every rank for the same policy)."""
+    return hashlib.sha256(json.dumps(to_plain(policy), sort_keys=True).encode()).hexdigest()
+
+
+def write_resolved(policy: Policy, run_dir: Path) -> Path:
+    """Write the resolved policy and its sha256 into the run directory."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / RESOLVED_NAME
+    path.write_text(yaml.safe_dump(to_plain(policy), sort_keys=False))
+    (run_dir / "policy.sha256").write_text(sha256(policy) + "\n")
+    return path
+
+
+def read_resolved(path: Path) -> Policy:
+    """Load a resolved policy file (what workers do); errors name the file."""
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise PolicyError.single(str(path), f"cannot read the resolved policy: {exc}", has_value=False) from None
+    if not isinstance(data, dict):
+        raise PolicyError.single(str(path), "is not a mapping", type(data).__name__)
+    return validate(data, source=str(path))

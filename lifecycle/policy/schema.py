@@ -1,0 +1,294 @@
+"""The policy: one frozen, validated pydantic model. Validate once, at load; handlers trust it."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Literal
+
+from pydantic import (
+    BaseModel,
+    Field,
+    NonNegativeInt,
+    PositiveFloat,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from lifecycle import SCHEMA_VERSION
+from lifecycle.errors import PolicyError, PolicyIssue
+from lifecycle.phases import registry
+from lifecycle.policy.base import Phase, Section
+from lifecycle.policy.sections import (
+    BarriersConfig,
+    DistributedConfig,
+    ParallelismConfig,
+    RunConfig,
+    WarmupConfig,
+    check_group_name,
+)
+
+TeardownStep = Literal[
+    "barrier", "finalize_async", "destroy_model_parallel", "destroy_subgroups", "destroy_process_group"
+]
+DEFAULT_TEARDOWN: list[TeardownStep] = [
+    "barrier", "finalize_async", "destroy_model_parallel", "destroy_subgroups", "destroy_process_group"
+]
+
+
+Signal = Literal["SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2"]
+
+
+def _signals(*names: Signal) -> list[Signal]:
+    return list(names)
+
+
+class TrainConfig(Section):
+    kind: str = "megatron_gpt"
+    """Step handler kind, by name from the handler registry (built-ins: megatron_gpt, synthetic)."""
+    steps: NonNegativeInt = 20
+    """Train steps; 0 runs init -> warmup -> teardown and builds no model."""
+    options: Any = None
+    """Options of the chosen kind (see its options model); validated against the kind at load."""
+
+    @field_validator("options", mode="after")
+    @classmethod
+    def _options(cls, v: Any, info: ValidationInfo) -> BaseModel:
+        kind = info.data.get("kind")
+        if kind is None:  # kind itself failed validation; it is reported there
+            return v
+        spec = registry.get("train", kind, path="train.kind")
+        if isinstance(v, spec.options):
+            return v
+        try:
+            return spec.options.model_validate({} if v is None else v)
+        except ValidationError as exc:
+            # Raised as a PolicyError so each problem keeps its own key path under train.options.
+            from lifecycle.policy.errors import from_validation
+
+            err = from_validation(exc, None, prefix="train.options")
+            hint = (f"not an option of train kind '{kind}' (options: {', '.join(spec.options.model_fields)}); "
+                    "switching kinds? drop the old options with ~train.options")
+            raise PolicyError([PolicyIssue(i.path, hint, i.value) if "unknown key" in i.message else i
+                               for i in err.issues]) from None
+
+
+class ZeroTokenConfig(Section):
+    action: Literal["dummy_forward", "error", "warn", "off"] = "off"
+    """What a rank whose local experts receive zero tokens does: dummy_forward keeps autograd aligned."""
+
+
+class MoEConfig(Section):
+    zero_token: ZeroTokenConfig = ZeroTokenConfig()
+    """The zero-token guard."""
+
+
+class CheckpointConfig(Section):
+    dir: str = Field("checkpoints", min_length=1)
+    """Checkpoint root (default <run.dir>/checkpoints); committed saves are iter_NNNNNNN/ with a `latest` tracker."""
+    every_steps: NonNegativeInt = 0
+    """Save every n train steps; 0 disables periodic saves."""
+    at_end: bool = True
+    """Save after the last train step."""
+    on_signal: bool = True
+    """On a preemption signal, agree on a stop step, save, and exit 0."""
+    signals: list[Signal] = Field(default_factory=lambda: _signals("SIGTERM"))
+    """Signals treated as a preemption request."""
+    grace_s: PositiveFloat = 120.0
+    """Time from a preemption signal to exit, save included."""
+    async_: bool = Field(False, alias="async")
+    """Write shards in the background; commit at the next step boundary (two-phase commit still)."""
+    fully_parallel: bool = False
+    """Spread the write of replicated tensors over the data-parallel ranks."""
+    coordination: Literal["store", "gloo"] = "store"
+    """How ranks agree that every write is durable: the TCPStore or a dedicated gloo group (never NCCL)."""
+    keep_last: NonNegativeInt = 2
+    """Committed checkpoints kept; 0 keeps all."""
+    resume: Literal["auto", "never", "required"] = "auto"
+    """auto: load the tracker's checkpoint when there is one; required: error when there is none."""
+    on_corrupt: Literal["error", "fallback"] = "error"
+    """A corrupt or missing checkpoint at resume: error, or fall back to the previous committed one."""
+
+
+class ExitCodes(Section):
+    hang: int = Field(3, ge=1, le=255)
+    """A hang detected by the watchdog."""
+    rank_failed: int = Field(4, ge=1, le=255)
+    """A rank raised or died."""
+    teardown_deadline: int = Field(5, ge=1, le=255)
+    """Teardown hit its hard deadline."""
+
+    @model_validator(mode="after")
+    def _distinct(self) -> ExitCodes:
+        codes = [self.hang, self.rank_failed, self.teardown_deadline]
+        if len(set(codes)) != 3 or 2 in codes:
+            raise ValueError("exit codes hang, rank_failed, teardown_deadline must be distinct and not 2 (usage)")
+        return self
+
+
+class TeardownConfig(Section):
+    success: list[TeardownStep] = Field(default_factory=lambda: list(DEFAULT_TEARDOWN))
+    """Steps of a clean exit, in order."""
+    failure: Literal["abort", "destroy"] = "abort"
+    """Failure path: abort process groups (no barrier) then destroy, or only destroy."""
+    deadline_s: PositiveFloat = 60.0
+    """Hard limit over the whole teardown; then the process exits by force (code 5)."""
+    exit_codes: ExitCodes = ExitCodes()
+    """Process exit codes."""
+
+
+class Deadlines(Section):
+    init: PositiveFloat = 300.0
+    """Seconds for init: process group, model-parallel groups, policy check."""
+    warmup: PositiveFloat = 120.0
+    """Seconds for each warmup op and barrier."""
+    step: PositiveFloat = 600.0
+    """Seconds for one train step (its collectives included)."""
+    checkpoint: PositiveFloat = 1200.0
+    """Seconds for one checkpoint save and its commit."""
+    teardown: PositiveFloat = 30.0
+    """Seconds for the teardown collectives (barrier, destroy)."""
+
+
+class WatchdogConfig(Section):
+    enabled: bool = True
+    """Watch every phase against its deadline through the TCPStore side channel."""
+    deadlines: Deadlines = Deadlines()
+    """Per-phase deadlines; process-group timeouts of a phase derive from them."""
+    poll_interval_s: PositiveFloat = 1.0
+    """How often the watchdog thread checks deadlines and heartbeats."""
+    heartbeat_stale_s: PositiveFloat = 30.0
+    """A peer whose heartbeat is older than this is reported dead."""
+    action: Literal["abort", "report"] = "abort"
+    """abort: report, abort process groups and exit with the hang code; report: only report."""
+    sequence_check: bool = True
+    """Compare per-group collective counts across ranks at phase boundaries."""
+
+
+class FaultDrill(Section):
+    at: Phase
+    """Phase the drill fires in."""
+    step: NonNegativeInt | None = None
+    """Train step it fires at (train and checkpoint phases only)."""
+    ranks: list[NonNegativeInt] = Field(min_length=1)
+    """Global ranks the drill fires on."""
+    action: Literal["stall", "crash", "raise", "signal", "skip"]
+    """stall: sleep forever; crash: os._exit; raise: an exception; signal: SIGTERM to itself; skip: skip a collective."""
+    op: str | None = None
+    """Only before this op (e.g. all_reduce, barrier, save)."""
+    group: str | None = None
+    """Only on this group."""
+
+    @model_validator(mode="after")
+    def _step_phase(self) -> FaultDrill:
+        if self.step is not None and self.at not in ("train", "checkpoint"):
+            raise ValueError(f"step applies to train and checkpoint drills only, not at={self.at}")
+        if self.group is not None:
+            check_group_name(self.group)
+        return self
+
+
+class Policy(Section):
+    """A lifecycle policy. Every key is documented in the README's policy table."""
+
+    schema_version: int = SCHEMA_VERSION
+    """Policy schema version this file targets."""
+    description: str = ""
+    """One line shown by `lifecycle policies`."""
+    run: RunConfig = RunConfig()
+    """Name, id, directory and seed of the run."""
+    distributed: DistributedConfig = DistributedConfig()
+    """Process-group backend and NCCL-only settings (timeouts derive from watchdog.deadlines)."""
+    parallelism: ParallelismConfig = ParallelismConfig()
+    """Megatron parallel sizes; the world size is checked against them at run time."""
+    warmup: WarmupConfig = WarmupConfig()
+    """Which groups to warm, with which ops, before training fills memory."""
+    barriers: BarriersConfig = BarriersConfig()
+    """Named barrier points."""
+    train: TrainConfig = TrainConfig()
+    """The step handler and how many steps."""
+    moe: MoEConfig = MoEConfig()
+    """MoE-specific guards."""
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    """When and how checkpoints are saved, committed, pruned and resumed."""
+    teardown: TeardownConfig = TeardownConfig()
+    """How the job exits, cleanly or after a failure."""
+    watchdog: WatchdogConfig = WatchdogConfig()
+    """Deadlines per phase and what happens when one passes."""
+    faults: list[FaultDrill] = Field(default_factory=list)
+    """Fault drills; empty by default."""
+
+    @field_validator("schema_version")
+    @classmethod
+    def _version(cls, v: int) -> int:
+        if v != SCHEMA_VERSION:
+            raise ValueError(f"this lifecycle reads schema version {SCHEMA_VERSION}; upgrade lifecycle "
+                             f"or migrate the policy")
+        return v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _derive_dirs(cls, data: Any) -> Any:
+        """run.id, run.dir and checkpoint.dir default from each other (and the launcher's env)."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        run = data.get("run", {})
+        if isinstance(run, dict):
+            run = dict(run)
+            run.setdefault("id", default_run_id())
+            run.setdefault("dir", f"runs/{run.get('name', 'lifecycle')}-{run['id']}")
+            data["run"] = run
+        ck = data.get("checkpoint", {})
+        if isinstance(ck, dict) and "dir" not in ck and isinstance(run, dict):
+            data["checkpoint"] = {**ck, "dir": f"{run['dir']}/checkpoints"}
+        return data
+
+    @model_validator(mode="after")
+    def _cross(self) -> Policy:
+        from lifecycle.policy.checks import cross_field_issues
+
+        # A PolicyError (not a ValueError) passes through pydantic untouched and keeps each key path.
+        issues = cross_field_issues(self)
+        if issues:
+            raise PolicyError(issues)
+        return self
+
+    def deadline(self, phase: str) -> float:
+        """The watchdog deadline of ``phase`` in seconds."""
+        return float(getattr(self.watchdog.deadlines, "step" if phase == "train" else phase))
+
+
+def default_run_id() -> str:
+    """A run id identical on every rank: from the local launcher, torchrun or SLURM, else ``local``."""
+    for var in ("LIFECYCLE_RUN_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
+        if os.environ.get(var):
+            return os.environ[var]
+    return "local"
+
+
+def is_schema_path(dotted: str) -> bool:
+    """Whether ``dotted`` (``checkpoint.async``, ``train.options.hidden``) names a policy key."""
+    model: type[BaseModel] | None = Policy
+    parts = dotted.split(".")
+    for i, part in enumerate(parts):
+        if model is None:
+            return False
+        if model is TrainConfig and part == "options" and i + 1 < len(parts):
+            rest = parts[i + 1]
+            return any(rest in _aliases(spec.options) for spec in registry.all_specs("train"))
+        fields = _aliases(model)
+        if part not in fields:
+            return False
+        model = fields[part]
+    return True
+
+
+def _aliases(model: type[BaseModel]) -> dict[str, type[BaseModel] | None]:
+    out: dict[str, type[BaseModel] | None] = {}
+    for name, info in model.model_fields.items():
+        ann = info.annotation
+        sub = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+        out[info.alias or name] = sub
+    return out

@@ -1,0 +1,151 @@
+"""Policy sections that need no handler registry: run, distributed, parallelism, warmup, barriers."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, PositiveFloat, PositiveInt, field_validator, model_validator
+
+from lifecycle.dist.names import GROUP_NAMES, closest
+from lifecycle.policy.base import Section
+
+WarmupOp = Literal["barrier", "all_reduce", "all_gather", "all_to_all", "p2p"]
+
+
+def _ops(*ops: WarmupOp) -> list[WarmupOp]:
+    return list(ops)
+
+
+def check_group_name(name: str) -> str:
+    """Validate a symbolic group name; the error suggests the closest valid one."""
+    if name not in GROUP_NAMES:
+        hint = closest(name)
+        did_you_mean = f"did you mean '{hint}'? " if hint else ""
+        raise ValueError(f"unknown group '{name}'; {did_you_mean}valid names: {', '.join(GROUP_NAMES)}")
+    return name
+
+
+class RunConfig(Section):
+    name: str = Field("lifecycle", min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    """Run name: used in the run directory and in every log line."""
+    id: str = Field("local", min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    """Run id, identical on every rank (the launcher, SLURM or torchrun provide it; never a per-rank clock)."""
+    dir: str = Field("runs/lifecycle-local", min_length=1)
+    """The run directory (default runs/<name>-<id>): resolved policy, per-rank events, summary, hang reports, checkpoints."""
+    seed: int = Field(1234, ge=0)
+    """Seed for model init and the synthetic data."""
+
+
+class FlightRecorderConfig(Section):
+    enabled: bool = True
+    """NCCL only: set TORCH_NCCL_TRACE_BUFFER_SIZE and dump the trace on timeout."""
+    buffer_size: PositiveInt = 2000
+    """Entries kept per rank in the NCCL Flight Recorder ring buffer."""
+
+
+class DistributedConfig(Section):
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """Process-group backend; auto is nccl when CUDA is available, else gloo."""
+    eager_init: bool = True
+    """NCCL only: init_process_group(device_id=...) creates the communicator now, not at first use."""
+    flight_recorder: FlightRecorderConfig = FlightRecorderConfig()
+    """NCCL Flight Recorder settings (ignored on gloo)."""
+    memory_headroom_gib: float = Field(0.0, ge=0)
+    """NCCL only: fail fast at warmup when free GPU memory is below this (0 disables the check)."""
+
+
+class ParallelismConfig(Section):
+    tp: PositiveInt = 1
+    """Tensor-parallel size."""
+    pp: PositiveInt = 1
+    """Pipeline-parallel size."""
+    cp: PositiveInt = 1
+    """Context-parallel size."""
+    ep: PositiveInt = 1
+    """Expert-model-parallel size."""
+    etp: PositiveInt | None = None
+    """Expert-tensor-parallel size; null means equal to tp (Megatron's default)."""
+    vpp: PositiveInt | None = None
+    """Virtual pipeline stages per rank (interleaved schedule); null disables it."""
+    dist_opt_instances: PositiveInt = 1
+    """Distributed-optimizer instances; > 1 creates the inter-instance (partial expert-DP) group."""
+    order: Literal["tp-cp-ep-dp-pp"] = "tp-cp-ep-dp-pp"
+    """Rank order of the parallel dimensions (Megatron's `order`)."""
+
+    @property
+    def expert_tp(self) -> int:
+        return self.etp if self.etp is not None else self.tp
+
+    @model_validator(mode="after")
+    def _vpp_needs_pp(self) -> ParallelismConfig:
+        if self.vpp is not None and self.vpp > 1 and self.pp == 1:
+            raise ValueError(f"vpp={self.vpp} needs pp > 1; set parallelism.pp or parallelism.vpp=null")
+        return self
+
+
+class WarmupConfig(Section):
+    enabled: bool = True
+    """Run the warmup phase at all."""
+    groups: Literal["all"] | list[str] = "all"
+    """Groups to warm, by symbolic name, or `all` (every group that exists in this layout)."""
+    ops: list[WarmupOp] = Field(default_factory=lambda: _ops("barrier", "all_reduce"), min_length=1)
+    """Ops issued on every warmed group, in this order."""
+    order: Literal["group_major", "op_major"] = "group_major"
+    """group_major: all ops on one group, then the next group; op_major: one op on all groups, then the next op."""
+    required: list[str] = Field(default_factory=list)
+    """Groups that must exist in the layout; a missing one is an error instead of a skip."""
+    deadline_s: PositiveFloat | None = None
+    """Deadline of each warmup op; null means watchdog.deadlines.warmup."""
+
+    @field_validator("groups")
+    @classmethod
+    def _groups(cls, v: str | list[str]) -> str | list[str]:
+        if isinstance(v, list):
+            if not v:
+                raise ValueError("empty list; use 'all' or name at least one group")
+            for name in v:
+                check_group_name(name)
+        return v
+
+    @field_validator("required")
+    @classmethod
+    def _required(cls, v: list[str]) -> list[str]:
+        for name in v:
+            check_group_name(name)
+        return v
+
+
+class BarrierPoint(Section):
+    group: str = "world"
+    """Group whose ranks meet at this point."""
+    timeout_s: PositiveFloat | None = None
+    """Barrier timeout; null means the deadline of the phase it runs in."""
+    via: Literal["store", "collective"] = "store"
+    """store: a TCPStore barrier that names late ranks and keeps process groups usable; collective: pg barrier."""
+    if_missing: Literal["skip", "error"] = "skip"
+    """What to do when the group does not exist in this layout."""
+
+    @field_validator("group")
+    @classmethod
+    def _group(cls, v: str) -> str:
+        return check_group_name(v)
+
+
+class EveryNBarrier(BarrierPoint):
+    n: PositiveInt = 100
+    """Barrier after every n-th train step."""
+
+
+class BarriersConfig(Section):
+    after_init: list[BarrierPoint] = Field(default_factory=list)
+    """Barriers right after init (the seed fix: a barrier on inter_dist_opt)."""
+    after_warmup: list[BarrierPoint] = Field(default_factory=list)
+    """Barriers at the end of warmup."""
+    before_checkpoint: list[BarrierPoint] = Field(default_factory=list)
+    """Barriers before every checkpoint save."""
+    after_checkpoint: list[BarrierPoint] = Field(default_factory=list)
+    """Barriers after every committed checkpoint."""
+    before_teardown: list[BarrierPoint] = Field(default_factory=list)
+    """Barriers at the start of a successful teardown."""
+    every_n_steps: EveryNBarrier | None = None
+    """A barrier every n train steps; null disables it."""

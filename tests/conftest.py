@@ -1,0 +1,46 @@
+"""Suite-wide guards: env restored, no process group left behind, no leaked threads or children."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(autouse=True)
+def _clean_process(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    env = dict(os.environ)
+    threads = set(threading.enumerate())
+    yield
+    os.environ.clear()
+    os.environ.update(env)
+    if "torch.distributed" in sys.modules:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+            pytest.fail("test left the default process group initialized")
+    leaked = [t for t in set(threading.enumerate()) - threads
+              if t.is_alive() and not t.daemon and t.name != "QueueFeederThread"]
+    if leaked:
+        pytest.fail(f"test leaked threads: {[t.name for t in leaked]}")
+    try:
+        import psutil
+
+        children = [c for c in psutil.Process().children(recursive=True) if c.is_running()
+                    and c.status() != psutil.STATUS_ZOMBIE]
+        # multiprocessing's resource tracker is shared by the whole session: not a leak.
+        children = [c for c in children if "resource_tracker" not in " ".join(c.cmdline())]
+    except Exception:  # noqa: BLE001 - psutil races with exiting children
+        children = []
+    if children:
+        for c in children:
+            c.kill()
+        pytest.fail(f"test leaked child processes: {[c.pid for c in children]}")

@@ -6,6 +6,8 @@
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 import types
 import typing
 from typing import Any, Literal
@@ -80,5 +82,19 @@ def table() -> str:
     return "\n".join([BEGIN, *head, *rows(Policy), END])
 
 
+def write(root: Path) -> None:
+    """Refresh the README table and ``lifecycle.schema.json`` in a source tree."""
+    from lifecycle.policy.jsonschema import policy_json_schema
+
+    readme = root / "README.md"
+    text = readme.read_text()
+    start, end = text.index(BEGIN), text.index(END) + len(END)
+    readme.write_text(text[:start] + table() + text[end:])
+    (root / "lifecycle.schema.json").write_text(json.dumps(policy_json_schema(), indent=1) + "\n")
+
+
 if __name__ == "__main__":
-    print(table())
+    if sys.argv[1:] == ["--write"]:
+        write(Path(__file__).resolve().parents[2])
+    else:
+        print(table())

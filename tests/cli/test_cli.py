@@ -1,0 +1,78 @@
+"""The CLI as users run it: subprocesses, exit codes, output."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import jsonschema
+import pytest
+import yaml
+
+from lifecycle.policy import load as L
+from tests.helpers import ROOT, run_cli
+
+
+def test_validate_ok_one_line() -> None:
+    proc = run_cli("validate")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ok: ") and "ep=2" in lines[0]
+
+
+def test_validate_lists_every_error() -> None:
+    proc = run_cli("validate", "train.steps=-1", "warmup.ops=[nope]", "checkpoint.keep_last=x")
+    assert proc.returncode == 2
+    assert "3 error(s)" in proc.stderr and "Traceback" not in proc.stderr
+    for path in ("train.steps:", "warmup.ops.0:", "checkpoint.keep_last:"):
+        assert path in proc.stderr
+
+
+def test_validate_imports_neither_torch_nor_megatron() -> None:
+    code = ("import sys; from lifecycle.cli import main; rc = main(['validate']); "
+            "assert rc == 0; bad = [m for m in ('torch', 'megatron') if m in sys.modules]; "
+            "assert not bad, bad")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_module_entry_point_and_usage_error() -> None:
+    proc = run_cli("frobnicate")
+    assert proc.returncode == 2 and "invalid choice" in proc.stderr
+
+
+def test_explain_text_without_world_size() -> None:
+    proc = run_cli("explain", "preset=moe_large")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    for phase in ("init", "warmup", "train", "checkpoint", "teardown"):
+        assert f"\n{phase}" in out
+    assert "warm:all_to_all" in out and "barrier:after_init" in out and "inter_dist_opt" in out
+
+
+def test_explain_json_is_the_plan() -> None:
+    proc = run_cli("explain", "--json", "train.steps=0")
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads(proc.stdout)
+    assert info["plan"]["train"] == [] and info["plan"]["checkpoint"] == []
+    assert [a["op"] for a in info["plan"]["init"]][:3] == [
+        "init_process_group", "initialize_model_parallel", "check_policy_hash"]
+
+
+def test_schema_is_a_json_schema_that_accepts_resolved_policies() -> None:
+    proc = run_cli("schema")
+    assert proc.returncode == 0
+    schema = json.loads(proc.stdout)
+    jsonschema.Draft202012Validator.check_schema(schema)
+    validator = jsonschema.Draft202012Validator(schema)
+    for preset in ("dense", "moe", "moe_large"):
+        validator.validate(L.to_plain(L.load([f"preset={preset}"]).policy))
+    with pytest.raises(jsonschema.ValidationError):
+        validator.validate({"warmup": {"ops": ["nope"]}})
+
+
+def test_resolved_policy_yaml_validates_from_disk(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    (tmp_path / "mine.yaml").write_text(yaml.safe_dump(L.to_plain(L.load([]).policy)))
+    proc = run_cli("validate", "--config-dir", str(tmp_path), "--config-name", "mine")
+    assert proc.returncode == 0, proc.stderr

@@ -1,0 +1,339 @@
+"""Local launcher: N ranks on this machine, a store that outlives them, a fast shutdown naming who failed.
+
+Built on torch's elastic process layer (``elastic.multiprocessing.start_processes``, under torchrun), not
+on ``torch.distributed.launcher.api`` (torchrun's agent): in torch 2.13, on a worker failure the agent's
+``PContext.wait(0)`` -> ``_poll`` at once calls ``close()`` with a hard-coded 30 s SIGTERM->SIGKILL grace
+(``shutdown_timeout`` only applies when the agent itself is signalled), leaving no hook to write the
+shutdown marker first; it picks the first failure by error-file time (``@record`` workers only) and knows
+no phases. From torch we use ``SubprocessContext`` (a rank per Popen in its own session, so ``killpg``
+reaches the rank's children too; ``TailLog`` tees logs; ``TORCHELASTIC_ERROR_FILE`` for ``@record``) and
+the agent's store arrangement: the TCPStore server lives here and ranks get
+``TORCHELASTIC_USE_AGENT_STORE=True``, so env:// rendezvous connects as a client on every rank
+(``rendezvous.py: _create_c10d_store``) and the store outlives every rank, rank 0 included. Monitoring
+(Linux pidfds: we wake at the first exit), shutdown and signals are ours; the handlers ``PContext.start``
+installs (they raise, and are never restored) are replaced for the call and restored after it.
+
+Rank output: stdout and stderr of rank R go, interleaved, to ``run_dir/logs/rank_<R>.log`` (a ``/bin/sh``
+wrapper redirects both, then ``exec``s argv, so the pid is the rank's own); ``console_ranks`` (rank 0) are
+also tailed to this process's stdout. ``PYTHONUNBUFFERED=1`` unless given: a killed rank's log is complete.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import select
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+SHUTDOWN_MARKER = ".shutdown"  # in run_dir: "this SIGTERM is a job shutdown, not a preemption request"
+_SH = ("-c", 'log=$1; shift; exec "$@" >"$log" 2>&1', "lifecycle-rank")
+_REAP_S = 5.0  # bounded wait after SIGKILL: a rank in uninterruptible sleep cannot be reaped at all
+
+
+@dataclass(frozen=True)
+class LaunchResult:
+    """How a local job ended. Ranks the launcher signalled or killed are never the failure cause."""
+
+    exit_code: int  # of the first failed rank (a signal N gives 128+N); else 0, or 128+N if stopped by N
+    first_failure: int | None  # the rank that failed first, before the launcher brought the job down
+    how: str | None  # "exit 4" or "signal SIGKILL"
+    phase: str | None  # from the last line of run_dir/events/rank_<R>.jsonl of that rank, if any
+    per_rank: dict[int, int]  # Popen return codes (negative: killed by that signal)
+    wall_s: float
+    stopped_by: str | None = None  # the signal the launcher received and forwarded (preemption)
+    killed: tuple[int, ...] = field(default=())  # ranks still alive after the grace, SIGKILLed
+
+    def describe(self) -> str:
+        """One line for humans, e.g. ``rank 2 failed first (exit 4) in phase warmup``."""
+        if self.first_failure is not None:
+            line = f"rank {self.first_failure} failed first ({self.how})"
+            line += f" in phase {self.phase}" if self.phase else ""
+        elif self.stopped_by:
+            line = f"stopped on {self.stopped_by}, " + ("every rank exited cleanly" if self.exit_code == 0
+                                                        else f"exit {self.exit_code}")
+        else:
+            line = f"all {len(self.per_rank)} ranks succeeded"
+        return line + (f"; ranks {list(self.killed)} were killed after the grace period" if self.killed else "")
+
+
+def launch_local(argv: list[str], nproc: int, run_dir: Path, *, env: dict[str, str] | None = None,
+                 kill_grace_s: float = 3.0, poll_s: float = 0.1,
+                 console_ranks: Iterable[int] = (0,)) -> LaunchResult:
+    """Run ``argv`` as ranks 0..nproc-1 on this machine and return when every rank has ended.
+
+    On the first rank that ends non-zero, writes ``run_dir/.shutdown``, SIGTERMs (and SIGCONTs) the others
+    and SIGKILLs what is left after ``kill_grace_s``. SIGINT/SIGTERM sent to the launcher (main thread only)
+    are forwarded without the marker (a preemption request), with the same grace; a second one kills at once.
+    If the launcher itself raises, every rank is SIGKILLed at once. No rank process, nor anything left
+    in a rank's process group, survives the call.
+    """
+    if nproc < 1 or not argv or poll_s <= 0 or kill_grace_s < 0:
+        raise ValueError(f"launch_local: need argv, nproc >= 1, poll_s > 0, kill_grace_s >= 0 (got "
+                         f"argv={argv!r}, nproc={nproc}, poll_s={poll_s}, kill_grace_s={kill_grace_s})")
+    run_dir = Path(run_dir).resolve()
+    logs = _prepare(run_dir, nproc)
+    start = time.monotonic()
+    store = _host_store()
+    envs = {r: _rank_env(r, nproc, int(store.port), run_dir, env) for r in range(nproc)}
+    console = set(console_ranks)
+    from torch.distributed.elastic.multiprocessing import start_processes
+
+    with _SignalTrap() as trap:
+        pc = start_processes(
+            name="lifecycle", entrypoint="/bin/sh", envs=envs,
+            args={r: (*_SH, str(logs[r]), *argv) for r in range(nproc)},
+            logs_specs=_rank_logs(run_dir / "logs", logs, console),
+            log_line_prefixes=dict.fromkeys(console, ""),  # worker log lines carry their own [rank N]
+        )
+        job: _Job | None = None
+        try:
+            trap.arm()  # PContext.start replaced our handlers with ones that raise
+            job = _Job({r: h.proc for r, h in pc.subprocess_handlers.items()}, trap, poll_s)
+            return job.run(run_dir, kill_grace_s, start)
+        finally:
+            if job is not None:
+                job.kill_all()
+            pc.close(timeout=1)  # normally all reaped by now: this only stops the log tailers
+            del store  # the store server lives exactly as long as the ranks
+
+
+class _Job:
+    """The monitored rank processes of one launch."""
+
+    def __init__(self, procs: dict[int, subprocess.Popen[Any]], trap: _SignalTrap, poll_s: float) -> None:
+        self.procs, self.trap, self.poll_s = procs, trap, poll_s
+        self.codes: dict[int, int] = {}
+        self.killed: list[int] = []
+        self.watch = _ExitWatch(procs)
+
+    def run(self, run_dir: Path, grace_s: float, start: float) -> LaunchResult:
+        cause = self._monitor(run_dir)
+        stop = self.trap.received[0] if cause is None and self.trap.received else None
+        if cause is not None:
+            _write_marker(run_dir, f"rank {cause} failed ({_how(self.codes[cause])})")
+        if len(self.codes) < len(self.procs):
+            self._shutdown(signal.SIGTERM if stop is None else stop, grace_s)
+        if cause is not None:
+            code = self.codes[cause]
+            exit_code, how = (code if code >= 0 else 128 - code), _how(code)
+            phase = (_last_event(run_dir, cause) or {}).get("phase")
+        else:
+            ok = all(c == 0 for c in self.codes.values())
+            exit_code, how, phase = (0 if ok or stop is None else 128 + stop), None, None
+        return LaunchResult(exit_code, cause, how, phase, dict(sorted(self.codes.items())),
+                            time.monotonic() - start, stop.name if stop else None, tuple(self.killed))
+
+    def _monitor(self, run_dir: Path) -> int | None:
+        """Until every rank ended, one failed (returns it) or the launcher got a signal."""
+        while len(self.codes) < len(self.procs) and not self.trap.received:
+            failed = [r for r in self._reap(self.watch.wait(self.poll_s)) if self.codes[r] != 0]
+            if failed:  # several in one wake-up: the earliest last event, then the lowest rank
+                return min(failed, key=lambda r: ((_last_event(run_dir, r) or {}).get("t", 1e99), r))
+        return None
+
+    def _reap(self, ranks: Iterable[int]) -> list[int]:
+        ended = []
+        for r in ranks:
+            code = self.procs[r].poll() if r not in self.codes else None
+            if code is not None:
+                self.codes[r] = code
+                self.watch.forget(r)
+                ended.append(r)
+        return ended
+
+    def _alive(self) -> list[int]:
+        return [r for r in self.procs if r not in self.codes]
+
+    def _shutdown(self, sig: signal.Signals, grace_s: float) -> None:
+        logger.warning("sending %s to ranks %s (SIGKILL after %.1fs)", sig.name, self._alive(), grace_s)
+        for r in self._alive():
+            _killpg(self.procs[r].pid, sig)
+            _killpg(self.procs[r].pid, signal.SIGCONT)  # a stopped rank must run to see the signal
+        deadline, signals_seen = time.monotonic() + grace_s, len(self.trap.received)
+        while self._alive() and time.monotonic() < deadline:
+            if len(self.trap.received) > signals_seen:
+                break  # asked (again) while shutting down: do not wait out the grace
+            self._reap(self.watch.wait(min(self.poll_s, max(deadline - time.monotonic(), 0.0))))
+        self.killed = self._alive()
+        self.kill_all()
+
+    def kill_all(self) -> None:
+        """SIGKILL every live rank's process group, reap (bounded), sweep what ranks left behind."""
+        for r in self._alive():
+            _killpg(self.procs[r].pid, signal.SIGKILL)
+        for r in self._alive():
+            try:
+                self.procs[r].wait(_REAP_S)
+            except subprocess.TimeoutExpired:
+                logger.error("rank %d (pid %d) survived SIGKILL (uninterruptible sleep?)", r, self.procs[r].pid)
+            self._reap([r])
+        for p in self.procs.values():  # grandchildren of ranks that ended on their own
+            _killpg(p.pid, signal.SIGKILL)
+        self.watch.close()
+
+
+class _ExitWatch:
+    """Wakes up as soon as a rank process ends (Linux pidfds); without pidfds, every ``timeout_s``."""
+
+    def __init__(self, procs: dict[int, subprocess.Popen[Any]]) -> None:
+        self._all = list(procs)
+        self._fds: dict[int, int] = {}
+        self._poller: Any = select.poll()
+        try:
+            for r, p in procs.items():
+                self._fds[r] = os.pidfd_open(p.pid)
+                self._poller.register(self._fds[r], select.POLLIN)
+        except (AttributeError, OSError):  # not Linux >= 5.3
+            self.close()
+            self._poller = None
+
+    def wait(self, timeout_s: float) -> list[int]:
+        """Ranks that may have ended since the last call."""
+        if self._poller is None:
+            time.sleep(timeout_s)
+            return self._all
+        by_fd = {fd: r for r, fd in self._fds.items()}
+        return [by_fd[fd] for fd, _ in self._poller.poll(timeout_s * 1000) if fd in by_fd]
+
+    def forget(self, rank: int) -> None:
+        fd = self._fds.pop(rank, None)
+        if fd is not None:
+            self._poller.unregister(fd)
+            os.close(fd)
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+class _SignalTrap:
+    """Records SIGINT/SIGTERM sent to the launcher; restores every handler torch or we replaced."""
+
+    _TRAPPED = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.received: list[signal.Signals] = []
+        self._saved: dict[signal.Signals, Any] = {}
+
+    def __enter__(self) -> _SignalTrap:
+        if threading.current_thread() is threading.main_thread():
+            # The same list PContext.start reads to decide which handlers to take over.
+            names = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
+            sigs = {getattr(signal, n.strip(), None) for n in names.split(",")} | set(self._TRAPPED)
+            self._saved = {s: signal.getsignal(s) for s in sigs if isinstance(s, signal.Signals)}
+            self.arm()
+        return self
+
+    def arm(self) -> None:
+        for s, old in self._saved.items():
+            signal.signal(s, self._on_signal if s in self._TRAPPED else _handler(old))
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self.received.append(signal.Signals(signum))
+
+    def __exit__(self, *exc: object) -> None:
+        for s, old in self._saved.items():
+            signal.signal(s, _handler(old))
+
+
+def _rank_logs(log_dir: Path, logs: dict[int, Path], console: set[int]) -> Any:
+    """Where rank output goes: the sh wrapper writes the files; torch tails the console ranks' files."""
+    from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
+
+    class RankLogs(LogsSpecs):
+        @property
+        def root_log_dir(self) -> str:
+            return str(log_dir)
+
+        def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
+            errors = {r: str(log_dir / f"rank_{r}.error.json") for r in envs}
+            for r, path in errors.items():
+                envs[r]["TORCHELASTIC_ERROR_FILE"] = path  # where @record writes a failing rank's traceback
+            return LogsDest(stdouts=dict.fromkeys(envs, ""), stderrs=dict.fromkeys(envs, ""),
+                            tee_stdouts={r: str(logs[r]) for r in envs if r in console},
+                            error_files=errors)
+
+    return RankLogs(log_dir=str(log_dir))
+
+
+def _prepare(run_dir: Path, nproc: int) -> dict[int, Path]:
+    """Make run_dir/logs and drop what a previous launch in the same run_dir left that would mislead."""
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    (run_dir / SHUTDOWN_MARKER).unlink(missing_ok=True)
+    for r in range(nproc):
+        (run_dir / "logs" / f"rank_{r}.error.json").unlink(missing_ok=True)
+    return {r: run_dir / "logs" / f"rank_{r}.log" for r in range(nproc)}
+
+
+def _host_store() -> Any:
+    from torch.distributed import TCPStore
+
+    return TCPStore("127.0.0.1", 0, None, True, timedelta(minutes=5), wait_for_workers=False)
+
+
+def _rank_env(rank: int, nproc: int, port: int, run_dir: Path, extra: dict[str, str] | None) -> dict[str, str]:
+    env = dict(extra or {})
+    for name in ("OMP_NUM_THREADS", "PYTHONUNBUFFERED"):
+        if name not in env and name not in os.environ:
+            env[name] = "1"
+    return env | {
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1",
+        "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(nproc), "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "LIFECYCLE_RUN_DIR": str(run_dir),
+    }
+
+
+def _write_marker(run_dir: Path, reason: str) -> None:
+    tmp = run_dir / f"{SHUTDOWN_MARKER}.tmp"
+    tmp.write_text(json.dumps({"t": time.time(), "reason": reason}) + "\n")
+    tmp.replace(run_dir / SHUTDOWN_MARKER)  # atomic: a rank never reads half a marker
+
+
+def _last_event(run_dir: Path, rank: int) -> dict[str, Any] | None:
+    """The rank's ``failure`` event, else its last complete JSON line (a kill can cut the last one short)."""
+    try:
+        with (run_dir / "events" / f"rank_{rank}.jsonl").open("rb") as f:
+            f.seek(max(f.seek(0, os.SEEK_END) - 65536, 0))
+            tail = f.read()
+    except OSError:
+        return None
+    last = None
+    for line in reversed(tail.splitlines()):
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(event, dict):
+            continue
+        if event.get("name") == "failure":  # the phase the rank failed in, not the teardown that followed
+            return event
+        last = last or event
+    return last
+
+
+def _how(code: int) -> str:
+    return f"exit {code}" if code >= 0 else f"signal {signal.Signals(-code).name}"
+
+
+def _killpg(pgid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):  # the group is already gone
+        pass
+
+
+def _handler(old: Any) -> Any:
+    return signal.SIG_DFL if old is None else old

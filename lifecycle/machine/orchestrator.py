@@ -1,0 +1,139 @@
+"""The state machine that runs a policy on one rank.
+
+init -> warmup -> train <-> checkpoint -> teardown; any exception takes the failure edge to teardown.
+Every transition is checked against :mod:`lifecycle.machine.graph` and recorded as events, and the
+phases issue their collectives in plan order, so every rank runs the same sequence.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from lifecycle.errors import ExitCode, HangError, PolicyError, UsageError
+from lifecycle.machine.graph import check_transition
+from lifecycle.phases.base import RunContext
+
+log = logging.getLogger(__name__)
+
+
+class Shutdown(BaseException):
+    """The launcher is taking the job down (another rank failed): leave through the failure path."""
+
+
+class Orchestrator:
+    """Runs the phases of one rank and returns the process exit code."""
+
+    def __init__(self, ctx: RunContext, handlers: dict[str, Any] | None = None) -> None:
+        from lifecycle.phases.init import InitPhase
+        from lifecycle.phases.teardown import TeardownPhase
+        from lifecycle.phases.train import TrainPhase
+        from lifecycle.phases.warmup import WarmupPhase
+
+        self.ctx = ctx
+        self.current: str | None = None
+        self.handlers: dict[str, Any] = {
+            "init": InitPhase(), "warmup": WarmupPhase(), "train": TrainPhase(self.checkpoint),
+            "teardown": TeardownPhase(), **(handlers or {}),
+        }
+        self._entered: dict[str, float] = {}
+        self.error: BaseException | None = None
+
+    def _enter(self, phase: str, *, failure: bool = False) -> None:
+        check_transition(self.current, phase, failure=failure)
+        now = time.monotonic()
+        if self.current is not None:
+            self.ctx.events.emit("end", f"phase:{self.current}", phase=self.current,
+                                 dur_us=int((now - self._entered[self.current]) * 1e6))
+        self.current = phase
+        self._entered[phase] = now
+        self.ctx.events.phase = phase
+        self.ctx.events.emit("begin", f"phase:{phase}", failure=failure or None)
+        self.ctx.events.flush()  # the launcher reads the phase of a dead rank from this file
+        self.ctx.drills.fire(phase)
+
+    def checkpoint(self, ctx: RunContext, reason: str) -> None:
+        """train -> checkpoint -> train (called by the train phase at a step boundary)."""
+        from lifecycle.phases.checkpoint import save
+
+        self._enter("checkpoint")
+        save(ctx, reason)
+        self._enter("train")
+
+    def run(self) -> int:
+        """Run every phase; return the exit code (0, or the policy's code for the failure)."""
+        ctx = self.ctx
+        try:
+            self._enter("init")
+            self.handlers["init"].run(ctx)
+            stop = False
+            if ctx.policy.warmup.enabled:
+                self._enter("warmup")
+                self.handlers["warmup"].run(ctx)
+            if ctx.policy.checkpoint.on_signal:
+                from lifecycle.phases.train import agree_stop
+
+                stop = agree_stop(ctx)
+            self._enter("train")
+            if stop:
+                log.warning("preemption signal before training: stopping without a checkpoint")
+            else:
+                self.handlers["train"].run(ctx)
+            return self._teardown()
+        except BaseException as exc:  # noqa: BLE001 - every failure takes the failure edge
+            return self._fail(exc)
+
+    def _teardown(self) -> int:
+        teardown = self.handlers["teardown"]
+        self._enter("teardown")
+        deadline = teardown.arm(self.ctx)
+        try:
+            teardown.run(self.ctx)
+        except BaseException as exc:  # noqa: BLE001
+            deadline.step = "failure"
+            return self._fail(exc, in_teardown=True)
+        finally:
+            deadline.cancel()
+        self._finish(ExitCode.OK)
+        return ExitCode.OK
+
+    def _fail(self, exc: BaseException, *, in_teardown: bool = False) -> int:
+        ctx = self.ctx
+        self.error = exc
+        code = self.exit_code(exc)
+        log.error("%s failed on rank %d in phase %s: %s", type(exc).__name__, ctx.rank, self.current, exc)
+        ctx.events.instant("failure", error=type(exc).__name__, message=str(exc)[:2000], exit_code=code)
+        teardown = self.handlers["teardown"]
+        if not in_teardown:
+            self._enter("teardown", failure=True)
+            deadline = teardown.arm(ctx)
+        else:
+            deadline = teardown.deadline
+        try:
+            teardown.run_failure(ctx, exc)
+        except BaseException as again:  # noqa: BLE001 - the first error is the one to report
+            log.error("failure teardown also failed: %s", again)
+        finally:
+            if deadline is not None:
+                deadline.cancel()
+        self._finish(code)
+        return code
+
+    def exit_code(self, exc: BaseException) -> int:
+        codes = self.ctx.policy.teardown.exit_codes
+        if isinstance(exc, HangError):
+            return codes.hang
+        if isinstance(exc, PolicyError | UsageError):
+            return ExitCode.USAGE
+        return codes.rank_failed
+
+    def _finish(self, code: int) -> None:
+        ctx = self.ctx
+        if self.current is not None:
+            ctx.events.emit("end", f"phase:{self.current}",
+                            dur_us=int((time.monotonic() - self._entered[self.current]) * 1e6))
+        ctx.events.instant("exit", exit_code=code, step=ctx.step, saved=ctx.saved or None,
+                           resumed_from=ctx.resumed_from, stop_step=ctx.stop.stop_step,
+                           warmup_s=ctx.metrics.get("warmup_s"))
+        ctx.events.close()

@@ -1,0 +1,115 @@
+"""Per-rank JSONL events: one JSON object per line in ``<run_dir>/events/rank_<R>.jsonl``.
+
+Schema (documented in the README): ``t`` (µs since the Unix epoch: one clock base for every rank of a
+run), ``rank``, ``local_rank``, ``host``, ``phase``, ``kind`` (``begin`` | ``end`` | ``instant`` |
+``scalar``), ``name``, and optionally ``group``, ``step``, ``dur_us`` (on ``end``), ``outcome`` and any
+extra fields (bytes, memory, zero-token counts, exit code...). Lines are buffered in memory and written
+by the caller's thread only at flush points, so a write never sits inside a collective; ``close()`` is
+called on every exit path (the failure path and ``atexit`` included) and is safe twice.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+
+def now_us() -> int:
+    return time.time_ns() // 1000
+
+
+class EventLog:
+    """Buffered JSONL writer for one rank."""
+
+    def __init__(self, run_dir: Path, rank: int, local_rank: int = 0, *, flush_every: int = 256) -> None:
+        self.path = Path(run_dir) / "events" / f"rank_{rank}.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.rank, self.local_rank, self.host = rank, local_rank, socket.gethostname()
+        self.phase = "init"
+        self.step: int | None = None
+        self._buf: list[str] = []
+        self._lock = threading.Lock()
+        self._flush_every = flush_every
+        self._file: Any = open(self.path, "a", buffering=1 << 16)  # noqa: SIM115 - closed in close()
+        atexit.register(self.close)
+
+    def emit(self, kind: str, name: str, **fields: Any) -> dict[str, Any]:
+        """Record one event; ``phase`` and ``step`` default to the current ones."""
+        event = {"t": now_us(), "rank": self.rank, "local_rank": self.local_rank, "host": self.host,
+                 "phase": fields.pop("phase", self.phase), "kind": kind, "name": name}
+        if self.step is not None and "step" not in fields:
+            event["step"] = self.step
+        event.update({k: v for k, v in fields.items() if v is not None})
+        line = json.dumps(event, default=str)
+        with self._lock:
+            self._buf.append(line)
+            if len(self._buf) >= self._flush_every:
+                self._write_locked()
+        return event
+
+    def instant(self, name: str, **fields: Any) -> None:
+        self.emit("instant", name, **fields)
+
+    def scalar(self, name: str, value: float, **fields: Any) -> None:
+        self.emit("scalar", name, value=value, **fields)
+
+    @contextmanager
+    def span(self, name: str, **fields: Any) -> Iterator[dict[str, Any]]:
+        """A begin/end pair; the yielded dict's entries are added to the end event."""
+        begin = self.emit("begin", name, **fields)
+        extra: dict[str, Any] = {}
+        outcome = "ok"
+        try:
+            yield extra
+        except BaseException as exc:
+            outcome = f"error: {type(exc).__name__}"
+            raise
+        finally:
+            self.emit("end", name, dur_us=now_us() - begin["t"], outcome=outcome, **{**fields, **extra})
+
+    def flush(self) -> None:
+        with self._lock:
+            self._write_locked()
+
+    def _write_locked(self) -> None:
+        if self._file is None or not self._buf:
+            return
+        self._file.write("\n".join(self._buf) + "\n")
+        self._buf.clear()
+        self._file.flush()
+
+    def close(self) -> None:
+        """Flush and close; safe twice and after a partial init."""
+        with self._lock:
+            if getattr(self, "_file", None) is None:
+                return
+            self._write_locked()
+            try:
+                os.fsync(self._file.fileno())
+            except OSError:
+                pass
+            self._file.close()
+            self._file = None
+
+
+def read_events(run_dir: Path) -> dict[int, list[dict[str, Any]]]:
+    """All ranks' events of a run, by rank (a torn last line is skipped)."""
+    out: dict[int, list[dict[str, Any]]] = {}
+    for path in sorted((Path(run_dir) / "events").glob("rank_*.jsonl")):
+        rank = int(path.stem.split("_")[1])
+        events = []
+        for line in path.read_text().splitlines():
+            try:
+                events.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        out[rank] = events
+    return out

@@ -1,0 +1,102 @@
+"""Init: the default process group, Megatron's model-parallel groups, the policy check, after_init barriers."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import time
+
+from lifecycle.errors import PhaseError, PolicyError
+from lifecycle.phases.base import RunContext
+from lifecycle.phases.points import run_points
+from lifecycle.policy.checks import world_issues
+
+log = logging.getLogger(__name__)
+
+
+def pick_backend(requested: str) -> str:
+    """``auto`` is nccl when CUDA is available, else gloo."""
+    if requested != "auto":
+        return requested
+    import torch
+
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def nccl_env(ctx: RunContext) -> None:
+    """NCCL only: Flight Recorder ring buffer and dump on timeout, into the run directory."""
+    fr = ctx.policy.distributed.flight_recorder
+    if fr.enabled:
+        os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", str(fr.buffer_size))
+        os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+        os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(ctx.run_dir / "nccl_trace_rank_"))
+
+
+class InitPhase:
+    phase = "init"
+
+    def run(self, ctx: RunContext) -> None:
+        """Collective on the default group: every rank must run it."""
+        issues = world_issues(ctx.policy, ctx.world_size)
+        if issues:
+            raise PolicyError(issues, source=f"world size {ctx.world_size}")
+        self._process_group(ctx)
+        self._model_parallel(ctx)
+        self._check_policy(ctx)
+        run_points(ctx, "after_init", ctx.deadline("init"))
+
+    def _process_group(self, ctx: RunContext) -> None:
+        import torch
+        import torch.distributed as dist
+
+        from lifecycle.dist.barrier import get_store
+
+        backend = pick_backend(ctx.policy.distributed.backend)
+        kwargs: dict[str, object] = {}
+        if backend == "nccl":
+            nccl_env(ctx)
+            torch.cuda.set_device(ctx.local_rank)
+            if ctx.policy.distributed.eager_init:  # accelerator only: the communicator is created now
+                kwargs["device_id"] = torch.device("cuda", ctx.local_rank)
+        ctx.drills.fire("init", op="init_process_group")
+        with ctx.events.span("init_process_group", group="world", backend=backend):
+            if not dist.is_initialized():
+                dist.init_process_group(backend, timeout=datetime.timedelta(seconds=ctx.deadline("init")),
+                                        rank=ctx.rank, world_size=ctx.world_size, **kwargs)
+        ctx.store = get_store()
+
+    def _model_parallel(self, ctx: RunContext) -> None:
+        from lifecycle.backends.megatron import parallel
+
+        par = ctx.policy.parallelism
+        ctx.drills.fire("init", op="initialize_model_parallel")
+        with ctx.events.span("initialize_model_parallel", group="world"):
+            if not parallel.is_initialized():
+                parallel.initialize(par.tp, par.pp, par.cp, par.ep, par.etp, par.vpp, par.dist_opt_instances,
+                                    ctx.deadline("init"), order=par.order)
+
+    def _check_policy(self, ctx: RunContext) -> None:
+        """All-gather every rank's policy sha256 on the default group; any difference is an error."""
+        import torch
+        import torch.distributed as dist
+
+        from lifecycle.dist.collectives import _wait
+        from lifecycle.policy.load import sha256
+
+        digest = sha256(ctx.policy)
+        mine = torch.frombuffer(bytearray(bytes.fromhex(digest)), dtype=torch.uint8)
+        out = [torch.zeros_like(mine) for _ in range(ctx.world_size)]
+        ctx.drills.fire("init", op="check_policy_hash", group="world")
+        with ctx.events.span("check_policy_hash", group="world"):
+            work = dist.all_gather(out, mine, async_op=True)
+            _wait([work], "all_gather", "world", list(range(ctx.world_size)), ctx.deadline("init"),
+                  time.monotonic())
+        ctx.op_counts["world"] += 1
+        digests = [bytes(t.tolist()).hex() for t in out]
+        majority = max(set(digests), key=digests.count)
+        differ = [r for r, d in enumerate(digests) if d != majority]
+        if differ:
+            raise PhaseError(f"the resolved policy differs between ranks: ranks {differ} have another sha256 "
+                             f"than the majority ({majority[:12]}); launch every rank with the same policy and "
+                             f"overrides", phase="init", rank=ctx.rank, group="world")

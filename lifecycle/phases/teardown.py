@@ -1,0 +1,146 @@
+"""Teardown: leave in an agreed order on success, abort without waiting on failure, never hang.
+
+A hard deadline (``teardown.deadline_s``) is armed at entry: when it passes, the step that hung is
+logged and the process leaves with ``os._exit(exit_codes.teardown_deadline)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+from typing import Any
+
+from lifecycle.phases.base import RunContext
+from lifecycle.phases.points import run_points
+
+log = logging.getLogger(__name__)
+
+
+class HardDeadline:
+    """A daemon timer that force-exits the process if teardown overruns. ``cancel()`` is idempotent."""
+
+    def __init__(self, seconds: float, code: int, on_expire: Any = None) -> None:
+        self.step = "start"
+        self.code = code
+        self.on_expire = on_expire
+        self._timer = threading.Timer(seconds, self._expire)
+        self._timer.daemon = True
+        self._seconds = seconds
+
+    def start(self) -> HardDeadline:
+        self._timer.start()
+        return self
+
+    def _expire(self) -> None:
+        msg = (f"teardown hit its hard deadline of {self._seconds:g}s while in step '{self.step}'; "
+               f"exiting with code {self.code}")
+        log.error(msg)
+        print(f"[rank {os.environ.get('RANK', '?')}] {msg}", file=sys.stderr, flush=True)
+        if self.on_expire is not None:
+            try:
+                self.on_expire(self.step)
+            except Exception:  # noqa: BLE001 - we are leaving anyway
+                pass
+        os._exit(self.code)
+
+    def cancel(self) -> None:
+        self._timer.cancel()
+
+
+def _subgroups_newest_first() -> list[Any]:
+    """Every non-default process group, in reverse creation order (c10d keeps them in creation order)."""
+    import torch.distributed.distributed_c10d as c10d
+
+    default = c10d._get_default_group() if c10d.is_initialized() else None
+    groups = [pg for pg in list(c10d._world.pg_map) if pg is not default]
+    return groups[::-1]
+
+
+class TeardownPhase:
+    phase = "teardown"
+
+    def __init__(self) -> None:
+        self.deadline: HardDeadline | None = None
+
+    def arm(self, ctx: RunContext) -> HardDeadline:
+        td = ctx.policy.teardown
+
+        def note(step: str) -> None:
+            ctx.events.instant("teardown_deadline", step_name=step, exit_code=td.exit_codes.teardown_deadline)
+            ctx.events.close()
+
+        self.deadline = HardDeadline(td.deadline_s, td.exit_codes.teardown_deadline, note).start()
+        return self.deadline
+
+    def _mark(self, step: str) -> None:
+        if self.deadline is not None:
+            self.deadline.step = step
+
+    def run(self, ctx: RunContext) -> None:
+        """Success path in the policy's order. ``barrier`` and ``destroy_*`` involve every rank."""
+        for step in ctx.policy.teardown.success:
+            self._mark(step)
+            ctx.drills.fire("teardown", op=step)
+            with ctx.events.span(f"teardown:{step}"):
+                getattr(self, f"_{step}")(ctx)
+
+    def run_failure(self, ctx: RunContext, error: BaseException | None) -> None:
+        """No barrier, no waiting on peers: finish local work, abort or destroy, leave."""
+        self._mark("failure")
+        ctx.drills.fire("teardown", op="failure")
+        with ctx.events.span("teardown:failure", error=type(error).__name__ if error else None):
+            self._release_step_handler(ctx)
+            self._destroy_model_parallel(ctx)
+            if ctx.policy.teardown.failure == "abort":
+                self._abort(ctx)
+            self._destroy_process_group(ctx)
+
+    def _barrier(self, ctx: RunContext) -> None:
+        run_points(ctx, "before_teardown", ctx.deadline("teardown"))
+
+    def _finalize_async(self, ctx: RunContext) -> None:
+        if ctx.pending_save is not None:
+            from lifecycle.phases.checkpoint import finish_pending
+
+            finish_pending(ctx)
+        self._release_step_handler(ctx)
+
+    def _release_step_handler(self, ctx: RunContext) -> None:
+        if ctx.step_handler is not None:
+            handler, ctx.step_handler = ctx.step_handler, None
+            handler.close()
+
+    def _destroy_model_parallel(self, ctx: RunContext) -> None:
+        if "megatron.core" in sys.modules:
+            from lifecycle.backends.megatron import parallel
+
+            parallel.destroy()
+
+    def _destroy_subgroups(self, ctx: RunContext) -> None:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            return
+        for pg in _subgroups_newest_first():
+            dist.destroy_process_group(pg)
+
+    def _abort(self, ctx: RunContext) -> None:
+        import torch.distributed.distributed_c10d as c10d
+
+        if not c10d.is_initialized():
+            return
+        abort = getattr(c10d, "_abort_process_group", None)
+        if abort is None:
+            return
+        try:
+            abort()  # aborts every group's communicators (NCCL); a no-op-ish call on gloo
+        except Exception as exc:  # noqa: BLE001 - not every backend supports abort
+            log.debug("abort not supported here: %s", exc)
+
+    def _destroy_process_group(self, ctx: RunContext) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,89 @@
+"""Train: build the step handler, resume, run the steps; barrier points, checkpoints and preemption
+happen at step boundaries, in the same order on every rank."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from lifecycle.phases import registry
+from lifecycle.phases.base import RunContext
+from lifecycle.phases.points import run_point
+
+log = logging.getLogger(__name__)
+
+
+def agree_stop(ctx: RunContext) -> bool:
+    """Max-reduce of "a preemption signal arrived" over the default group: every rank must call it."""
+    import torch
+    import torch.distributed as dist
+
+    from lifecycle.dist.collectives import _wait
+
+    flag = torch.tensor([1 if ctx.stop.preempt_signal else 0], dtype=torch.int32)
+    work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True)
+    import time
+
+    _wait([work], "all_reduce(stop flag)", "world", list(range(ctx.world_size)), ctx.deadline("train"),
+          time.monotonic())
+    ctx.op_counts["world"] += 1
+    return bool(flag.item())
+
+
+class TrainPhase:
+    phase = "train"
+
+    def __init__(self, checkpoint: Callable[[RunContext, str], None]) -> None:
+        self.checkpoint = checkpoint
+
+    def run(self, ctx: RunContext) -> None:
+        policy = ctx.policy
+        if policy.train.steps == 0:
+            log.info("train.steps=0: no model, no training")
+            return
+        spec = registry.get("train", policy.train.kind)
+        ctx.step_handler = spec.load()(policy.train.options)
+        with ctx.events.span("setup", handler=policy.train.kind):
+            ctx.step_handler.setup(ctx)
+        self._resume(ctx)
+        self._loop(ctx)
+
+    def _resume(self, ctx: RunContext) -> None:
+        if ctx.policy.checkpoint.resume == "never":
+            return
+        from lifecycle.phases.checkpoint import resume
+
+        resume(ctx)
+
+    def _loop(self, ctx: RunContext) -> None:
+        policy = ctx.policy
+        ck, every = policy.checkpoint, policy.barriers.every_n_steps
+        saved_at = ctx.step if ctx.resumed_from is not None else None
+        for step in range(ctx.step + 1, policy.train.steps + 1):
+            ctx.events.step = step
+            ctx.drills.fire("train", step=step)
+            with ctx.events.span("step") as extra:
+                metrics: dict[str, Any] = ctx.step_handler.step(ctx, step)
+                extra.update(metrics)
+            ctx.step = step
+            ctx.metrics.setdefault("loss", []).append(metrics.get("loss"))
+            if ctx.pending_save is not None:  # an async save overlapped this step: commit it now
+                from lifecycle.phases.checkpoint import finish_pending
+
+                finish_pending(ctx)
+            if every is not None and step % every.n == 0:
+                run_point(ctx, f"every_{every.n}_steps", every, ctx.deadline("train"))
+            if ck.every_steps and step % ck.every_steps == 0:
+                self.checkpoint(ctx, "periodic")
+                saved_at = step
+            if ck.on_signal and agree_stop(ctx):
+                ctx.stop.stop_step = step
+                if saved_at != step:
+                    self.checkpoint(ctx, "preemption")
+                    saved_at = step
+                log.warning("preempted at step %d, saved", step)
+                return
+        ctx.events.step = None
+        if ck.at_end and saved_at != ctx.step:
+            self.checkpoint(ctx, "end")

@@ -1,0 +1,89 @@
+"""Warmup: make every requested communicator connect now, with tiny real ops, before memory fills up."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from lifecycle.dist.names import GROUP_NAMES
+from lifecycle.machine.plan import WarmTarget, build_plan, requested_groups
+from lifecycle.phases.base import RunContext
+from lifecycle.phases.points import run_point
+
+log = logging.getLogger(__name__)
+
+
+class ResolvedView:
+    """The plan's GroupView over the groups this rank really has."""
+
+    def __init__(self, groups: Sequence[Any]) -> None:
+        self.groups = list(groups)
+
+    def warm_targets(self, requested: Sequence[str]) -> list[WarmTarget]:
+        targets = []
+        for g in self.groups:
+            names = tuple(n for n in g.names if n in requested)
+            if names:
+                targets.append(WarmTarget(names, tuple(g.ranks)))
+        return sorted(targets, key=lambda t: GROUP_NAMES.index(t.names[0]))
+
+
+def _free_memory() -> int | None:
+    """Free accelerator memory in bytes (CUDA only), else None."""
+    import torch
+
+    if torch.cuda.is_available():
+        return int(torch.cuda.mem_get_info()[0])
+    return None
+
+
+class WarmupPhase:
+    phase = "warmup"
+
+    def run(self, ctx: RunContext) -> None:
+        """Every rank runs the same ordered (group, op) list; each op is collective on its group."""
+        from lifecycle.dist import collectives, groups
+
+        policy = ctx.policy
+        ctx.groups = groups.resolve(requested_groups(policy), policy.warmup.required)
+        by_name = {n: g for g in ctx.groups for n in g.names}
+        plan = build_plan(policy, ResolvedView(ctx.groups)).phases["warmup"]
+        point_index: dict[str, int] = {}
+        timings: dict[str, float] = {}
+        for action in plan:
+            if action.op.startswith("barrier:"):
+                point = action.op.split(":", 1)[1]
+                i = point_index.get(point, 0)
+                point_index[point] = i + 1
+                run_point(ctx, point, getattr(policy.barriers, point)[i], ctx.deadline("warmup"))
+                continue
+            op = action.op.split(":", 1)[1]
+            group = by_name[action.names[0]]
+            timings[group.label] = timings.get(group.label, 0.0) + self._op(ctx, collectives.OPS[op], op, group,
+                                                                            action.deadline_s or 0.0)
+        ctx.metrics["warmup_s"] = timings
+        self._headroom(ctx)
+
+    def _op(self, ctx: RunContext, fn: Any, op: str, group: Any, deadline: float) -> float:
+        if ctx.drills.fire("warmup", op=op, group=group.names[0]):
+            return 0.0
+        before = _free_memory()
+        ranks = list(group.ranks) if group.size <= 256 else None  # keep events small at scale
+        with ctx.events.span(f"warm:{op}", group=group.label, size=group.size, ranks=ranks) as extra:
+            seconds = fn(group.pg, list(group.ranks), deadline, group_name=group.label)
+            after = _free_memory()
+            if before is not None:
+                extra.update(mem_free_before=before, mem_free_after=after)
+        ctx.op_counts[group.label] += 1
+        return float(seconds)
+
+    def _headroom(self, ctx: RunContext) -> None:
+        need = ctx.policy.distributed.memory_headroom_gib
+        free = _free_memory()
+        if need and free is not None and free < need * 2**30:
+            from lifecycle.errors import PhaseError
+
+            raise PhaseError(f"only {free / 2**30:.1f} GiB free on this GPU after warmup; the policy asks for "
+                             f"{need} GiB headroom (distributed.memory_headroom_gib)", phase="warmup",
+                             rank=ctx.rank)

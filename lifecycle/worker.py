@@ -1,0 +1,101 @@
+"""One rank of a run: ``python -m lifecycle.worker RUN_DIR``.
+
+Reads the resolved policy from the run directory (workers never compose), takes rank and world size
+from the launcher's environment (RANK, WORLD_SIZE, LOCAL_RANK: torchrun, srun or ``lifecycle run``),
+installs the signal handlers, runs the orchestrator and leaves with its exit code.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from lifecycle.errors import ExitCode, LifecycleError, UsageError
+
+log = logging.getLogger(__name__)
+SHUTDOWN_MARKER = ".shutdown"
+
+
+def rank_env() -> tuple[int, int, int]:
+    """(rank, world_size, local_rank) from the environment; a clear error when they are missing."""
+    try:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    except (KeyError, ValueError) as exc:
+        raise UsageError(f"RANK and WORLD_SIZE must be set by the launcher (torchrun, srun or `lifecycle run`): "
+                         f"{exc}") from None
+    return rank, world, int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def install_signals(ctx: Any, orchestrator: Any) -> None:
+    """Preemption signals set a flag handled at the next step boundary; the launcher's shutdown SIGTERM
+    (the run directory has a ``.shutdown`` marker) leaves through the failure path instead."""
+    from lifecycle.machine.orchestrator import Shutdown
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if (ctx.run_dir / SHUTDOWN_MARKER).exists():
+            ctx.stop.shutdown = True
+            if orchestrator.current != "teardown":
+                raise Shutdown(f"{name} from the launcher: another rank failed")
+            return
+        if orchestrator.current == "teardown":
+            log.info("%s during teardown: ignored", name)
+            return
+        if ctx.stop.preempt_signal is None:
+            log.warning("%s received: will save and stop at the next step boundary", name)
+        ctx.stop.preempt_signal = name
+
+    names = set(ctx.policy.checkpoint.signals if ctx.policy.checkpoint.on_signal else []) | {"SIGTERM"}
+    for name in names:
+        signal.signal(getattr(signal, name), on_signal)
+
+
+def run_rank(run_dir: Path, policy: Any = None) -> int:
+    """Run this rank of the run in ``run_dir`` (policy read from there unless given); returns the exit code."""
+    from lifecycle.dist.faults import Drills
+    from lifecycle.machine.orchestrator import Orchestrator
+    from lifecycle.obs.events import EventLog
+    from lifecycle.phases.base import RunContext
+    from lifecycle.policy.load import RESOLVED_NAME, read_resolved
+
+    if policy is None:
+        policy = read_resolved(run_dir / RESOLVED_NAME)
+    rank, world, local_rank = rank_env()
+    events = EventLog(run_dir, rank, local_rank)
+    ctx = RunContext(policy, run_dir, rank, world, local_rank, events,
+                     Drills(policy.faults, rank, on_fire=lambda f: _drill_fired(events, f)))
+    orchestrator = Orchestrator(ctx)
+    install_signals(ctx, orchestrator)
+    return orchestrator.run()
+
+
+def _drill_fired(events: Any, drill: Any) -> None:
+    events.instant("fault_drill", action=drill.action, at=drill.at, drill_step=drill.step)
+    events.flush()
+
+
+def main(argv: list[str] | None = None) -> int:
+    from lifecycle.cli import setup_logging
+
+    args = sys.argv[1:] if argv is None else argv
+    setup_logging()
+    if len(args) != 1:
+        print("usage: python -m lifecycle.worker RUN_DIR", file=sys.stderr)
+        return ExitCode.USAGE
+    try:
+        return run_rank(Path(args[0]))
+    except LifecycleError as exc:
+        print(f"[rank {os.environ.get('RANK', '?')}] error: {exc}", file=sys.stderr, flush=True)
+        return exc.exit_code
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Leave now: interpreter shutdown could wait on threads a hung peer left behind.
+    os._exit(code)

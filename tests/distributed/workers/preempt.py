@@ -1,0 +1,16 @@
+"""argv: STUBBORN_RANK. Each rank notes "ready" and sleeps; on SIGTERM it notes whether the .shutdown
+marker exists and exits 0, except STUBBORN_RANK, which ignores SIGTERM. Plain python, no torch."""
+
+import os
+import signal
+import sys
+import time
+
+from _common import RANK, note, on_sigterm_note_marker
+
+if RANK == int(sys.argv[1]):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+else:
+    on_sigterm_note_marker()
+note("ready", os.getpid())
+time.sleep(60)

@@ -42,6 +42,8 @@ class Orchestrator:
 
     def _enter(self, phase: str, *, failure: bool = False) -> None:
         check_transition(self.current, phase, failure=failure)
+        for hook in self.ctx.phase_hooks:
+            hook(self.ctx, self.current, phase, failure)
         now = time.monotonic()
         if self.current is not None:
             self.ctx.events.emit("end", f"phase:{self.current}", phase=self.current,

@@ -39,6 +39,8 @@ class EventLog:
         self._lock = threading.Lock()
         self._flush_every = flush_every
         self._file: Any = open(self.path, "a", buffering=1 << 16)  # noqa: SIM115 - closed in close()
+        self.listeners: list[Any] = []
+        """Callables given every event dict as it is emitted (the watchdog listens here); keep them O(1)."""
         atexit.register(self.close)
 
     def emit(self, kind: str, name: str, **fields: Any) -> dict[str, Any]:
@@ -48,6 +50,8 @@ class EventLog:
         if self.step is not None and "step" not in fields:
             event["step"] = self.step
         event.update({k: v for k, v in fields.items() if v is not None})
+        for listener in self.listeners:
+            listener(event)
         line = json.dumps(event, default=str)
         with self._lock:
             self._buf.append(line)

@@ -55,6 +55,9 @@ class RunContext:
     op_counts: Counter[str] = field(default_factory=Counter)
     """Collectives issued per group label (for the sequence check)."""
     metrics: dict[str, Any] = field(default_factory=dict)
+    phase_hooks: list[Any] = field(default_factory=list)
+    """Callables ``hook(ctx, old_phase, new_phase, failure)`` run at every transition (all ranks, same order)."""
+    watchdog: Any = None
     _seq: Any = field(default_factory=itertools.count)
 
     def next_key(self, name: str) -> str:

@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $@
 
 run: $(STAMP)
-	$(VENV)/bin/lifecycle explain --world-size 4
+	$(VENV)/bin/lifecycle run
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check lifecycle tests bench examples

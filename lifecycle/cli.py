@@ -39,8 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="run the lifecycle: local ranks, or this rank under torchrun/srun")
     p.add_argument("--nproc", type=int, default=4, help="local ranks to start (ignored under torchrun/srun)")
     _policy_args(p)
-    p = sub.add_parser("timeline", help="merge a run's per-rank events into a Chrome/Perfetto trace")
+    p = sub.add_parser("timeline", help="merge a run's per-rank events into a Chrome/Perfetto trace and a PNG")
     p.add_argument("run_dir", help="the run directory")
+    p.add_argument("--out", "-o", help="trace file (default RUN_DIR/trace.json; .json.gz compresses)")
+    p.add_argument("--png", help="Gantt chart of the phases (default RUN_DIR/timeline.png; needs matplotlib)")
+    p.add_argument("--no-png", action="store_true", help="write the trace only")
     return parser
 
 
@@ -81,7 +84,7 @@ def _run(args: argparse.Namespace) -> int:
 def _timeline(args: argparse.Namespace) -> int:
     from lifecycle.obs.timeline import main as timeline_main
 
-    return timeline_main(args.run_dir)
+    return timeline_main(args.run_dir, out=args.out, png=args.png, no_png=args.no_png)
 
 
 COMMANDS = {"validate": _validate, "explain": _explain, "schema": _schema, "run": _run, "timeline": _timeline}

@@ -83,6 +83,8 @@ class TrainPhase:
                     self.checkpoint(ctx, "preemption")
                     saved_at = step
                 log.warning("preempted at step %d, saved", step)
+                if ctx.rank == 0:
+                    print(f"preempted at step {step}, saved", flush=True)
                 return
         ctx.events.step = None
         if ck.at_end and saved_at != ctx.step:

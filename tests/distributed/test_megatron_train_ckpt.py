@@ -72,7 +72,7 @@ def _diff(a: Any, b: Any, path: str = "") -> list[str]:
     if isinstance(a, (list, tuple)):
         if not isinstance(b, (list, tuple)) or len(a) != len(b):
             return [f"{path} (len)"]
-        return [p for i, (x, y) in enumerate(zip(a, b)) for p in _diff(x, y, f"{path}/{i}")]
+        return [p for i, (x, y) in enumerate(zip(a, b, strict=True)) for p in _diff(x, y, f"{path}/{i}")]
     return [] if a == b else [path]
 
 
@@ -163,7 +163,7 @@ def _save_resume_rank(rank: int, world: int, root: str, store_port: int) -> dict
     timings["async_plan_s"], timings["async_write_s"] = handle.plan_s, handle.write_s or 0.0
     dist.barrier()  # rank 0 finalizes; the others must not read before metadata.json exists
 
-    fresh = m.build(m.ModelSpec(seed=spec.seed + 1))
+    fresh = m.build(spec)  # same seed: same data stream; its weights are the step-0 ones
     different_before = bool(_diff(at_10["model"], _full_state(fresh)["model"]))
     t0 = time.perf_counter()
     step_a = ck.load(fresh, f"{root}/a")
@@ -184,7 +184,7 @@ def _save_resume_rank(rank: int, world: int, root: str, store_port: int) -> dict
 def test_save_load_resume_is_exact(tmp_path: Any) -> None:
     results = run_ranks(_save_resume_rank, WORLD, DEADLINE_S, str(tmp_path), free_port())
     for r in results:
-        assert r["different_before"], "the fresh model must start from other weights"
+        assert r["different_before"], "the fresh model must start from other (step-0) weights"
         assert r["steps"] == (10, 10)
         assert r["diff_a"] == [] and r["diff_b"] == [], "every model and optimizer tensor restored"
         assert r["resumed_11"] == r["loss_11"], "step 11 after resume equals the uninterrupted run"

@@ -2,6 +2,8 @@
 
 import warnings
 
-# Without Transformer Engine / Apex (CPU, or a lean GPU image) megatron-core warns on every import,
-# once per rank; the fallbacks are what we want, so keep the rank logs readable.
-warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
+# Without Transformer Engine / Apex (CPU, or a lean GPU image) megatron-core warns on every import and
+# model build, once per rank; the fallbacks are what we want, so keep the rank logs readable.
+for _message in (".*Transformer Engine and Apex are not installed.*", ".*Apex is not installed.*",
+                 ".*full scope is deprecated.*", ".*all_gather_into_tensor` is deprecated.*"):
+    warnings.filterwarnings("ignore", message=_message)

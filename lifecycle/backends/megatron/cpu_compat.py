@@ -90,6 +90,7 @@ def apply_cpu_compat() -> bool:
         _patch_moe()
         _patch_grad_clip()
         _patch_torch_norm()
+        _patch_uneven_gather()
         _patch_cuda_allocations()
         logger.debug("megatron CPU compatibility patches: %s", ", ".join(_applied))
     return True
@@ -204,7 +205,7 @@ def _patch_rng_tracker() -> None:
             if name not in self.states_:
                 raise Exception(f"rng state {name} is not added")
             orig = torch.get_rng_state()
-            prev_name = self._current_state_name
+            prev_name = getattr(self, "_current_state_name", "default-rng")
             torch.set_rng_state(self.states_[name])
             self._current_state_name = name
             try:
@@ -306,6 +307,35 @@ def _patch_torch_norm() -> None:
     cls.__new__ = __new__
     cls._lifecycle_cpu = True
     _applied.append("WrappedTorchNorm accepts sequence_parallel")
+
+
+# ------------------------------------------------------------------------------------ uneven gather
+
+
+def _patch_uneven_gather() -> None:
+    try:
+        from megatron.core.tensor_parallel import mappings
+    except ImportError:
+        return
+    orig = getattr(mappings, "_gather_along_first_dim", None)
+    if orig is None or getattr(orig, "_lifecycle_cpu", False):
+        return
+
+    def _gather_along_first_dim(input_: Any, group: Any, output_split_sizes: Any = None,
+                                use_global_buffer: bool = False) -> Any:
+        if output_split_sizes is None or group.size() == 1:
+            return orig(input_, group, output_split_sizes, use_global_buffer)
+        # gloo's all_gather needs equal sizes: pad every shard to the largest, gather, trim.
+        sizes = [int(n) for n in output_split_sizes]
+        padded = input_.new_zeros((max(sizes), *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        chunks = [torch.empty_like(padded) for _ in sizes]
+        torch.distributed.all_gather(chunks, padded, group=group)
+        return torch.cat([c[:n] for c, n in zip(chunks, sizes, strict=True)], dim=0)
+
+    _gather_along_first_dim._lifecycle_cpu = True  # type: ignore[attr-defined]
+    _set(mappings, "_gather_along_first_dim", _gather_along_first_dim,
+         "mappings._gather_along_first_dim pads uneven splits (gloo)")
 
 
 # ------------------------------------------------------------------------------- device="cuda" calls

@@ -1,0 +1,88 @@
+"""A PNG Gantt chart of the phases of every rank (matplotlib: the optional ``plot`` extra).
+
+Uses matplotlib's object API with the Agg canvas (no pyplot, no global figure state, no display needed).
+Rows are ranks (rank 0 on top), bars are phases (a failure teardown in red), cut phases are hatched, and
+failures, fault drills, hang reports and exits are markers.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+from lifecycle.obs.spans import Span, phase_of, rank_spans
+
+COLORS = {"init": "#8da0cb", "warmup": "#fc8d62", "train": "#66c2a5", "checkpoint": "#7b3294",
+          "teardown": "#b3b3b3"}
+FAILURE_COLOR = "#d7191c"
+# instant name -> (marker, color, legend label); names containing "hang" use the hang entry
+MARKERS = {"failure": ("X", FAILURE_COLOR, "failure"), "fault_drill": ("v", "#ff7f00", "fault drill"),
+           "hang": ("D", "#e41a1c", "hang report"), "exit": ("|", "black", "exit")}
+
+
+def available() -> bool:
+    """Whether matplotlib is importable (without importing it)."""
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def _marker(name: str) -> tuple[str, str, str] | None:
+    return MARKERS["hang"] if "hang" in name else MARKERS.get(name)
+
+
+def _size(n_ranks: int) -> tuple[float, float]:
+    return 10.0, min(max(1.4 + 0.32 * n_ranks, 2.6), 14.0)
+
+
+def plot(events: dict[int, list[dict[str, Any]]], path: Path, *, title: str = "", dpi: int = 100) -> Path:
+    """Draw the phases of every rank to ``path`` (PNG) and return it."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    t0 = min(e["t"] for evs in events.values() for e in evs)
+    fig = Figure(figsize=_size(len(events)), dpi=dpi, layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    seen: dict[str, Any] = {}
+    for rank, evs in sorted(events.items()):
+        for span in rank_spans(rank, evs):
+            phase = phase_of(span)
+            if phase is not None:
+                _bar(ax, span, phase, t0, seen)
+        for e in evs:
+            m = _marker(e["name"]) if e["kind"] == "instant" else None
+            if m is not None:
+                h = ax.scatter([(e["t"] - t0) / 1e6], [rank], marker=m[0], color=m[1], s=60, zorder=3)
+                seen.setdefault(m[2], h)
+    _axes(ax, sorted(events), title)
+    if seen:
+        fig.legend(list(seen.values()), list(seen), loc="outside right upper", fontsize=8, frameon=False)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png", dpi=dpi)
+    return path
+
+
+def _bar(ax: Any, span: Span, phase: str, t0: int, seen: dict[str, Any]) -> None:
+    failed = bool(span.begin.get("failure"))
+    color = FAILURE_COLOR if failed else COLORS.get(phase, "#999999")
+    label = f"{phase} (failure path)" if failed else phase
+    bars = ax.barh(span.rank, span.dur_us / 1e6, left=(span.start_us - t0) / 1e6, height=0.6, color=color,
+                   edgecolor="black" if span.cut else "none", hatch="///" if span.cut else None, linewidth=0.6)
+    seen.setdefault(label, bars)
+    if span.cut:
+        seen.setdefault("cut (no end: rank died)", ax.barh([], [], color="white", edgecolor="black", hatch="///"))
+
+
+def _axes(ax: Any, ranks: list[int], title: str) -> None:
+    step = max(1, len(ranks) // 32)
+    shown = ranks[::step]
+    ax.set_yticks(shown)
+    ax.set_yticklabels([f"rank {r}" for r in shown], fontsize=8)
+    ax.set_ylim(max(ranks) + 0.6, min(ranks) - 0.6)  # rank 0 on top
+    ax.set_xlabel("seconds since the first event", fontsize=9)
+    ax.tick_params(axis="x", labelsize=8)
+    ax.grid(axis="x", alpha=0.3)
+    ax.set_axisbelow(True)
+    if title:
+        ax.set_title(title, fontsize=10)

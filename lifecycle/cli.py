@@ -1,7 +1,8 @@
-"""The `lifecycle` command: validate | explain | schema | run | timeline.
+"""The `lifecycle` command: validate | explain | schema | policies | diff | run | timeline.
 
 User errors (bad policy, overrides, files, world size) print ``key.path: message (got VALUE)`` lines
-and exit 2 — never a traceback. ``validate``, ``explain`` and ``schema`` import neither torch nor megatron.
+and exit 2 — never a traceback. ``validate``, ``explain``, ``schema``, ``policies`` and ``diff`` import
+neither torch nor megatron.
 """
 
 from __future__ import annotations
@@ -36,6 +37,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     _policy_args(p)
     sub.add_parser("schema", help="JSON Schema of the policy (for editors)")
+    p = sub.add_parser("policies", help="every preset and config, where it comes from (built-in, pack, "
+                       "your dir), its description; handler kinds; installed packs")
+    p.add_argument("--config-dir", "-d", help="also list the configs in this folder (searched first)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p = sub.add_parser("diff", help="the resolved difference between two policies, by key path; exit 0 when "
+                       "equal, 1 when they differ", description=DIFF_HELP,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("a", help='policy A: "[CONFIG_NAME] [OVERRIDE ...]" as one argument ("" = default)')
+    p.add_argument("b", help="policy B, same form")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    _policy_args(p)
     p = sub.add_parser("run", help="run the lifecycle: local ranks, or this rank under torchrun/srun")
     p.add_argument("--nproc", type=int, default=4, help="local ranks to start (ignored under torchrun/srun)")
     _policy_args(p)
@@ -68,6 +80,43 @@ def _explain(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
+DIFF_HELP = """Compare two resolved policies (schema defaults included) and print `key.path: A -> B` lines.
+
+Each of A and B is ONE shell argument: an optional config name (a first word without `=`, as
+--config-name) and Hydra overrides. Trailing OVERRIDES apply to both sides, before each side's own.
+Exit 0 when equal, 1 when they differ, 2 when a side is not a valid policy (like diff(1)).
+
+  lifecycle diff preset=moe preset=moe_large
+  lifecycle diff preset=moe_large "preset=moe_large checkpoint.async=false parallelism.ep=8"
+  lifecycle diff -d my_policies house "house parallelism.ep=8" run.id=ci
+"""
+
+
+def _policies(args: argparse.Namespace) -> int:
+    from lifecycle.phases import registry
+    from lifecycle.policy import catalog
+    from lifecycle.policy.load import _user_dir
+    from lifecycle.policy.packs import installed_packs, search_roots
+
+    packs = installed_packs()
+    entries = catalog.catalog(search_roots(_user_dir(args.config_dir), packs))
+    kinds = registry.all_specs("train")
+    print(json.dumps(catalog.as_dict(entries, packs, kinds), indent=1) if args.json
+          else catalog.render(entries, packs, kinds))
+    broken = [p for p in packs if p.error is not None]
+    for pack in broken:
+        print(f"error: pack {pack.name} ({pack.distribution} {pack.version}): {pack.error}", file=sys.stderr)
+    return ExitCode.USAGE if broken else ExitCode.OK
+
+
+def _diff(args: argparse.Namespace) -> int:
+    from lifecycle.policy.diff import diff, render
+
+    result = diff(args.a, args.b, args.overrides, config_dir=args.config_dir, config_name=args.config_name)
+    print(json.dumps(result.as_dict(), indent=1) if args.json else render(result, args.a, args.b))
+    return 1 if result.changes else ExitCode.OK
+
+
 def _schema(args: argparse.Namespace) -> int:
     from lifecycle.policy.jsonschema import policy_json_schema
 
@@ -87,7 +136,8 @@ def _timeline(args: argparse.Namespace) -> int:
     return timeline_main(args.run_dir, out=args.out, png=args.png, no_png=args.no_png)
 
 
-COMMANDS = {"validate": _validate, "explain": _explain, "schema": _schema, "run": _run, "timeline": _timeline}
+COMMANDS = {"validate": _validate, "explain": _explain, "schema": _schema, "policies": _policies, "diff": _diff,
+            "run": _run, "timeline": _timeline}
 
 
 def setup_logging(verbose: bool = False) -> None:

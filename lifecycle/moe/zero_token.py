@@ -95,8 +95,8 @@ class ZeroTokenGuard:
     def _install(self, name: str, module: torch.nn.Module) -> None:
         self.counts[name] = 0
         self._calls[id(module)] = []
-        # Our pre-hook runs last and our forward hook first, so other hooks see the real arguments
-        # and the real (sliced) output. Each pre-hook pushes one entry and the forward hook pops the
+        # The forward hook is prepended so every other forward hook sees the real (sliced) output;
+        # pre-hooks registered before the guard see the real arguments. Each pre-hook pushes one entry and the forward hook pops the
         # top one: calls nest (recompute) but never interleave, and an entry left by a forward that
         # raised stays below the live ones.
         self._handles.append(module.register_forward_pre_hook(

@@ -41,6 +41,8 @@ class EventLog:
         self._file: Any = open(self.path, "a", buffering=1 << 16)  # noqa: SIM115 - closed in close()
         self.listeners: list[Any] = []
         """Callables given every event dict as it is emitted (the watchdog listens here); keep them O(1)."""
+        self.on_close: list[Any] = []
+        """Callables run once by ``close()`` before the file closes (sinks flush here); errors are ignored."""
         atexit.register(self.close)
 
     def emit(self, kind: str, name: str, **fields: Any) -> dict[str, Any]:
@@ -92,6 +94,12 @@ class EventLog:
 
     def close(self) -> None:
         """Flush and close; safe twice and after a partial init."""
+        hooks, self.on_close = list(getattr(self, "on_close", [])), []
+        for hook in hooks:  # outside the lock: a hook may still emit
+            try:
+                hook()
+            except Exception:  # noqa: BLE001 - closing runs on the failure path too: never raise here
+                pass
         with self._lock:
             if getattr(self, "_file", None) is None:
                 return

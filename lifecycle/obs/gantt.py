@@ -71,7 +71,9 @@ def _bar(ax: Any, span: Span, phase: str, t0: int, seen: dict[str, Any]) -> None
                    edgecolor="black" if span.cut else "none", hatch="///" if span.cut else None, linewidth=0.6)
     seen.setdefault(label, bars)
     if span.cut:
-        seen.setdefault("cut (no end: rank died)", ax.barh([], [], color="white", edgecolor="black", hatch="///"))
+        from matplotlib.patches import Patch
+
+        seen.setdefault("cut (no end: rank died)", Patch(facecolor="white", edgecolor="black", hatch="///"))
 
 
 def _axes(ax: Any, ranks: list[int], title: str) -> None:

@@ -1,68 +1,163 @@
-"""summary.json and the printed summary at the end of `lifecycle run`, built from the per-rank events."""
+"""summary.json and the printed summary at the end of `lifecycle run`, built from the per-rank events.
+
+A failed run gets one too: spans cut by a dead rank count up to its last event (and the rank is listed in
+``cut_ranks``), and the launcher's verdict gives the exit status of ranks that wrote no exit event.
+"""
 
 from __future__ import annotations
 
 import json
+import signal
 import statistics
 from pathlib import Path
 from typing import Any
 
 from lifecycle.obs.events import read_events
+from lifecycle.obs.spans import Span, phase_of, rank_spans, valid_events
 
 PHASES = ("init", "warmup", "train", "checkpoint", "teardown")
 
 
-def _phase_times(events: dict[int, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
-    per_phase: dict[str, dict[int, float]] = {}
-    for rank, evs in events.items():
-        for e in evs:
-            if e.get("kind") == "end" and str(e.get("name", "")).startswith("phase:"):
-                phase = e["name"].split(":", 1)[1]
-                per_phase.setdefault(phase, {})
-                per_phase[phase][rank] = per_phase[phase].get(rank, 0.0) + e.get("dur_us", 0) / 1e6
-    out = {}
-    for phase in PHASES:
-        times = per_phase.get(phase)
-        if not times:
-            continue
-        slowest = max(times, key=lambda r: times[r])
-        out[phase] = {"min_s": round(min(times.values()), 4), "median_s": round(statistics.median(times.values()), 4),
-                      "max_s": round(max(times.values()), 4), "slowest_rank": slowest}
+def stats(values: dict[int, float]) -> dict[str, Any]:
+    """min/median/max over ranks (seconds) and the slowest rank (the lowest one on a tie)."""
+    slowest = min(values, key=lambda r: (-values[r], r))
+    return {"min_s": round(min(values.values()), 4), "median_s": round(statistics.median(values.values()), 4),
+            "max_s": round(max(values.values()), 4), "slowest_rank": slowest, "ranks": len(values)}
+
+
+def _per_rank(spans: dict[int, list[Span]], key: Any) -> tuple[dict[str, dict[int, float]], dict[str, set[int]]]:
+    """Seconds per (key(span), rank) for the spans where key is not None, and the ranks with a cut span."""
+    times: dict[str, dict[int, float]] = {}
+    cut: dict[str, set[int]] = {}
+    for rank, ss in spans.items():
+        for s in ss:
+            k = key(s)
+            if k is None:
+                continue
+            times.setdefault(k, {})[rank] = times.get(k, {}).get(rank, 0.0) + s.dur_us / 1e6
+            if s.cut:
+                cut.setdefault(k, set()).add(rank)
+    return times, cut
+
+
+def phase_times(spans: dict[int, list[Span]]) -> dict[str, dict[str, Any]]:
+    """Per phase: stats over ranks of the time each rank spent in it (a re-entered phase adds up)."""
+    times, cut = _per_rank(spans, phase_of)
+    order = [p for p in PHASES if p in times] + sorted(set(times) - set(PHASES))
+    return {p: {**stats(times[p]), **({"cut_ranks": sorted(cut[p])} if p in cut else {})} for p in order}
+
+
+def warmup_per_group(spans: dict[int, list[Span]]) -> dict[str, dict[str, Any]]:
+    """Per group name: stats over ranks of the time spent warming it, and the ops issued on it."""
+    def key(s: Span) -> str | None:
+        return str(s.begin.get("group", "?")) if s.name.startswith("warm:") else None
+
+    times, _ = _per_rank(spans, key)
+    ops: dict[str, set[str]] = {}
+    for ss in spans.values():
+        for s in ss:
+            if s.name.startswith("warm:"):
+                ops.setdefault(str(s.begin.get("group", "?")), set()).add(s.name.split(":", 1)[1])
+    return {g: {**stats(t), "ops": sorted(ops[g])} for g, t in sorted(times.items())}
+
+
+def checkpoints(spans: dict[int, list[Span]]) -> list[dict[str, Any]]:
+    """Per saved step: the slowest rank's save, rank 0's commit (the rename + tracker), whether it committed."""
+    saves: dict[Any, dict[int, Span]] = {}
+    commits: dict[Any, dict[int, Span]] = {}
+    for rank, ss in spans.items():
+        for s in ss:
+            if s.name in ("save", "commit"):
+                (saves if s.name == "save" else commits).setdefault(s.begin.get("step"), {})[rank] = s
+    out = []
+    for step in sorted(set(saves) | set(commits), key=lambda x: (x is None, x)):
+        save, commit = saves.get(step, {}), commits.get(step, {})
+        first = next(iter(save.values()), None) or next(iter(commit.values()))
+        c0 = commit.get(0) or next(iter(commit.values()), None)
+        entry: dict[str, Any] = {"step": step, "path": first.fields.get("path"), "reason": first.fields.get("reason")}
+        if save:
+            st = stats({r: s.dur_us / 1e6 for r, s in save.items()})
+            entry.update(save_s=st["max_s"], save_slowest_rank=st["slowest_rank"])
+        if c0 is not None:
+            entry.update(commit_s=round(c0.dur_us / 1e6, 4), write_s=c0.fields.get("write_s"),
+                         commit_s_max=round(max(s.dur_us for s in commit.values()) / 1e6, 4))
+        entry["committed"] = bool(commit) and all(not s.cut and s.fields.get("outcome") == "ok"
+                                                  for s in commit.values())
+        out.append(entry)
     return out
 
 
 def _last(evs: list[dict[str, Any]], name: str) -> dict[str, Any] | None:
-    for e in reversed(evs):
-        if e.get("name") == name:
-            return e
-    return None
+    return next((e for e in reversed(evs) if e.get("name") == name), None)
+
+
+def _how(code: int) -> str:
+    if code >= 0:
+        return f"exit {code}"
+    try:
+        return f"signal {signal.Signals(-code).name}"
+    except ValueError:
+        return f"signal {-code}"
+
+
+def exit_status(events: dict[int, list[dict[str, Any]]], launch: Any | None) -> dict[int, dict[str, Any]]:
+    """Per rank: exit code, how it ended (exit N, signal, killed by the launcher), last phase, its error."""
+    per_rank = dict(getattr(launch, "per_rank", None) or {})
+    killed = set(getattr(launch, "killed", ()) or ())
+    out = {}
+    for r in sorted(set(events) | set(per_rank)):
+        evs = events.get(r, [])
+        ev, fail, popen = _last(evs, "exit"), _last(evs, "failure"), per_rank.get(r)
+        code = ev.get("exit_code") if ev else (popen if popen is None or popen >= 0 else 128 - popen)
+        how = ("killed by the launcher after the grace period" if r in killed
+               else _how(popen) if popen is not None else f"exit {code}" if ev else "no exit event")
+        out[r] = {"exit_code": code, "how": how, "last_phase": evs[-1].get("phase") if evs else None,
+                  "error": (fail or {}).get("error")}
+    return out
+
+
+def _instants(events: dict[int, list[dict[str, Any]]], match: Any, keep: tuple[str, ...]) -> list[dict[str, Any]]:
+    found = [e for evs in events.values() for e in evs if e.get("kind") == "instant" and match(e["name"])]
+    return [{"rank": e.get("rank"), "phase": e.get("phase"), **{k: e[k] for k in keep if k in e}}
+            for e in sorted(found, key=lambda e: e["t"])]
+
+
+def zero_tokens(events: dict[int, list[dict[str, Any]]]) -> dict[int, int]:
+    """Zero-token events per rank: ``zero_token`` instants (``count`` each, default 1) or scalars (value)."""
+    out: dict[int, int] = {}
+    for r, evs in events.items():
+        n = sum(int(e.get("count", 1)) if e["kind"] == "instant" else int(e.get("value", 0))
+                for e in evs if e["name"] == "zero_token" and e["kind"] in ("instant", "scalar"))
+        if n:
+            out[r] = n
+    return out
 
 
 def build(run_dir: Path, launch: Any | None = None) -> dict[str, Any]:
     """Aggregate a run directory's events into the summary (a failed run gets one too)."""
-    events = read_events(run_dir)
-    exits = {r: _last(evs, "exit") for r, evs in events.items()}
+    events = {r: valid_events(evs) for r, evs in read_events(run_dir).items()}
+    spans = {r: rank_spans(r, evs) for r, evs in events.items()}
+    status = exit_status(events, launch)
     rank0 = events.get(0, [])
-    losses = [e["loss"] for e in rank0 if e.get("name") == "step" and e.get("kind") == "end" and "loss" in e]
-    warm: dict[str, float] = {}
-    for e in rank0:
-        if e.get("kind") == "end" and str(e.get("name", "")).startswith("warm:"):
-            warm[e.get("group", "?")] = round(warm.get(e.get("group", "?"), 0.0) + e.get("dur_us", 0) / 1e6, 4)
-    ckpts = [{"step": e.get("step"), "path": e.get("path"), "commit_s": round(e.get("dur_us", 0) / 1e6, 4),
-              "write_s": e.get("write_s")}
-             for e in rank0 if e.get("name") == "commit" and e.get("kind") == "end"]
-    zero = {r: sum(e.get("count", 0) for e in evs if e.get("name") == "zero_token") for r, evs in events.items()}
+    losses = [e["loss"] for e in rank0 if e["name"] == "step" and e["kind"] == "end" and "loss" in e]
+    warm = warmup_per_group(spans)
+    exit0 = _last(rank0, "exit") or {}
     summary: dict[str, Any] = {
         "run_dir": str(run_dir),
-        "ranks": len(events),
-        "phases": _phase_times(events),
-        "warmup_s_per_group": warm,
+        "ranks": len(status),
+        "phases": phase_times(spans),
+        "warmup_per_group": warm,
+        "warmup_s_per_group": {g: w["max_s"] for g, w in warm.items()},
         "loss": {"first": losses[0], "last": losses[-1], "steps": len(losses)} if losses else None,
-        "checkpoints": ckpts,
-        "zero_token_events": {r: n for r, n in zero.items() if n},
-        "exit_code_per_rank": {r: (e or {}).get("exit_code") for r, e in exits.items()},
-        "resumed_from": (exits.get(0) or {}).get("resumed_from"),
-        "stop_step": (exits.get(0) or {}).get("stop_step"),
+        "checkpoints": checkpoints(spans),
+        "zero_token_events": zero_tokens(events),
+        "exit_code_per_rank": {r: s["exit_code"] for r, s in status.items()},
+        "exit_status_per_rank": status,
+        "failures": _instants(events, lambda n: n == "failure", ("error", "message", "exit_code")),
+        "fault_drills": _instants(events, lambda n: n == "fault_drill", ("action", "at", "drill_step")),
+        "hang_reports": _instants(events, lambda n: "hang" in n, ("group", "missing", "deadline_s", "message")),
+        "resumed_from": exit0.get("resumed_from"),
+        "stop_step": exit0.get("stop_step"),
     }
     if launch is not None:
         summary.update(exit_code=launch.exit_code, outcome=launch.describe(), wall_s=round(launch.wall_s, 2),
@@ -71,27 +166,13 @@ def build(run_dir: Path, launch: Any | None = None) -> dict[str, Any]:
 
 
 def write(run_dir: Path, summary: dict[str, Any]) -> Path:
-    path = run_dir / "summary.json"
+    path = Path(run_dir) / "summary.json"
     path.write_text(json.dumps(summary, indent=1, default=str))
     return path
 
 
 def render(s: dict[str, Any]) -> str:
-    lines = [f"run      {s['run_dir']} ({s['ranks']} ranks)"]
-    if "outcome" in s:
-        lines.append(f"outcome  {s['outcome']} -> exit {s['exit_code']} in {s['wall_s']}s")
-    for phase, t in s["phases"].items():
-        lines.append(f"  {phase:<11} min {t['min_s']:>8.3f}s  median {t['median_s']:>8.3f}s  max {t['max_s']:>8.3f}s"
-                     f"  (slowest rank {t['slowest_rank']})")
-    if s["loss"]:
-        loss = s["loss"]
-        lines.append(f"loss     {loss['first']:.4f} -> {loss['last']:.4f} over {loss['steps']} steps")
-    if s.get("resumed_from") is not None:
-        lines.append(f"resumed  from step {s['resumed_from']}")
-    if s.get("stop_step") is not None:
-        lines.append(f"stopped  preempted at step {s['stop_step']}, saved")
-    for c in s["checkpoints"]:
-        lines.append(f"saved    step {c['step']}: {c['path']} (commit {c['commit_s']}s)")
-    if s["zero_token_events"]:
-        lines.append(f"zero-token events per rank: {s['zero_token_events']}")
-    return "\n".join(lines)
+    """The printed summary (a few lines whatever the world size)."""
+    from lifecycle.obs.render import render as _render
+
+    return _render(s)

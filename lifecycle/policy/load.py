@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from pydantic import ValidationError
 
 from lifecycle.errors import PolicyError, PolicyIssue
 from lifecycle.policy.errors import from_hydra, from_omegaconf, from_validation
+from lifecycle.policy.packs import ConfigRoot, Pack, installed_packs, search_roots, unusable_pack_for
 from lifecycle.policy.schema import Policy, is_schema_path
 
 RESOLVED_NAME = "policy.resolved.yaml"
@@ -42,37 +44,46 @@ class Loaded:
     raw: dict[str, Any]
     source: str
     search_path: tuple[str, ...]
+    roots: tuple[ConfigRoot, ...] = ()
+    """The search path with the origin of each folder (user dir, built-in, pack)."""
+    overrides: tuple[str, ...] = ()
+    """The overrides as given (before :func:`normalize_overrides`)."""
+    config_name: str = "config"
 
 
-def _search_path(config_dir: Path | None) -> list[Path]:
-    from lifecycle.policy.packs import pack_conf_dirs
+@contextmanager
+def hydra_session(roots: Sequence[ConfigRoot]) -> Iterator[str]:
+    """Initialize Hydra on ``roots[0]`` for one compose; yields the ``hydra.searchpath`` override for the rest.
 
-    dirs = [config_dir] if config_dir is not None else []
-    dirs.append(builtin_conf_dir())
-    dirs.extend(d for d in pack_conf_dirs() if d not in dirs)
-    return dirs
+    Hydra's global state is cleared before and after, so nothing leaks into the next call or another app.
+    """
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    searchpath = "hydra.searchpath=[" + ",".join(f"file://{r.path}" for r in roots[1:]) + "]"
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(roots[0].path), version_base="1.3"):
+            yield searchpath
+    finally:
+        GlobalHydra.instance().clear()
 
 
 def compose(overrides: Sequence[str] = (), *, config_dir: str | Path | None = None,
-            config_name: str = "config") -> tuple[dict[str, Any], list[Path]]:
+            config_name: str = "config") -> tuple[dict[str, Any], list[ConfigRoot]]:
     """Compose the policy as a plain dict (interpolations resolved) and the search path used."""
     from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    user_dir = _user_dir(config_dir)
-    dirs = _search_path(user_dir)
-    source = f"{user_dir or dirs[0]}/{config_name}.yaml"
-    # The user's dir comes first so it can override any built-in or pack file of the same name.
-    searchpath = "hydra.searchpath=[" + ",".join(f"file://{d}" for d in dirs[1:]) + "]"
-    GlobalHydra.instance().clear()
+    packs = installed_packs()
+    roots = search_roots(_user_dir(config_dir), packs)
+    source = f"{roots[0].path}/{config_name}.yaml"
     try:
-        with initialize_config_dir(config_dir=str(dirs[0]), version_base="1.3"):
+        # The user's dir comes first so it can override any built-in or pack file of the same name.
+        with hydra_session(roots) as searchpath:
             cfg = hydra_compose(config_name=config_name,
                                 overrides=[*normalize_overrides(overrides), searchpath])
-
     except OmegaConfBaseException as exc:
         raise from_omegaconf(exc, source) from None
     except yaml.YAMLError as exc:
@@ -81,15 +92,22 @@ def compose(overrides: Sequence[str] = (), *, config_dir: str | Path | None = No
         raise PolicyError.single(where, f"not valid YAML: {getattr(exc, 'problem', exc)}; fix the file",
                                  has_value=False, source=source) from None
     except Exception as exc:  # noqa: BLE001 - Hydra raises a zoo of types; all are user errors here
+        _raise_if_from_unusable_pack(exc, packs)
         raise from_hydra(exc, source, overrides) from None
-    finally:
-        GlobalHydra.instance().clear()
     try:
         data = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     except OmegaConfBaseException as exc:
         raise from_omegaconf(exc, source) from None
     assert isinstance(data, dict)
-    return {str(k): v for k, v in data.items()}, dirs
+    return {str(k): v for k, v in data.items()}, roots
+
+
+def _raise_if_from_unusable_pack(exc: Exception, packs: list[Pack]) -> None:
+    """A config Hydra cannot find that an unusable pack ships: the pack's own error says why."""
+    missing = getattr(exc, "missing_cfg_file", None)
+    pack = unusable_pack_for(missing, packs) if isinstance(missing, str) else None
+    if pack is not None:
+        pack.check()
 
 
 def normalize_overrides(overrides: Sequence[str]) -> list[str]:
@@ -150,10 +168,11 @@ def _find_targets(node: Any, path: str) -> list[str]:
 def load(overrides: Sequence[str] = (), *, config_dir: str | Path | None = None,
          config_name: str = "config") -> Loaded:
     """Compose and validate a policy."""
-    data, dirs = compose(overrides, config_dir=config_dir, config_name=config_name)
-    source = f"{dirs[0]}/{config_name}.yaml"
+    data, roots = compose(overrides, config_dir=config_dir, config_name=config_name)
+    source = f"{roots[0].path}/{config_name}.yaml"
     policy = validate(data, source=source)
-    return Loaded(policy, data, source, tuple(str(d) for d in dirs))
+    return Loaded(policy, data, source, tuple(str(r.path) for r in roots), tuple(roots), tuple(overrides),
+                  config_name)
 
 
 def to_plain(policy: Policy) -> dict[str, Any]:

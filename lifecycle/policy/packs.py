@@ -1,70 +1,154 @@
-"""Policy packs: installed packages that ship YAML config groups (entry-point group
-``lifecycle.policy_packs``). Each is added to Hydra's search path after the user's own config and the
-built-ins, so the user can always override. No Hydra SearchPathPlugin: nothing leaks into other apps.
+"""Policy packs: installed packages that ship YAML config groups, and where every config comes from.
+
+A pack is a normal Python package declared under the entry-point group ``lifecycle.policy_packs``::
+
+    [project.entry-points."lifecycle.policy_packs"]
+    acme = "acme_lifecycle_policies"        # name = the package whose folder holds preset/, warmup/, ...
+
+Its ``__init__`` declares the policy schema it targets with ``LIFECYCLE_SCHEMA_VERSION = 1`` and must
+import without torch (``validate`` imports it). Why an attribute and not a marker file: it always ships
+with the package (no package-data glob to forget), and a pack's handler entry points import the same
+package anyway.
+
+Each usable pack's folder is added to Hydra's search path as ``file://<folder>`` *after* the user's own
+folder and the built-ins, through the ``hydra.searchpath`` override of one compose call — no Hydra
+SearchPathPlugin, so nothing leaks into other Hydra apps, and a pack can never shadow a built-in or a user
+file. The resolved folder rather than ``pkg://<module>``: it is the folder whose version was checked, the
+one ``lifecycle policies`` lists and ``explain`` cites, and Hydra's ``pkg://`` source silently drops a
+package that fails to import instead of saying why.
+
+A broken pack (import error, no or wrong schema version) is left off the search path and breaks nothing
+else; its error is raised when one of its configs is asked for, and shown by ``lifecycle policies``.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import logging
+import sys
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
 
-from lifecycle import SCHEMA_VERSION
+from lifecycle import SCHEMA_VERSION, __version__
 from lifecycle.errors import PolicyError
 
 log = logging.getLogger(__name__)
 ENTRY_POINT_GROUP = "lifecycle.policy_packs"
+VERSION_ATTR = "LIFECYCLE_SCHEMA_VERSION"
 
 
 @dataclass(frozen=True)
 class Pack:
-    """One installed policy pack."""
+    """One installed policy pack; ``error`` says why it is unusable (None when usable)."""
 
     name: str
     module: str
     distribution: str
     version: str
-    conf_dir: Path
-    schema_version: int
+    conf_dir: Path | None
+    schema_version: int | None
+    summary: str = ""
+    error: str | None = None
+
+    @property
+    def label(self) -> str:
+        """How listings and ``explain`` name it: ``pack acme (acme-lifecycle-policies 1.0.0)``."""
+        return f"pack {self.name} ({self.distribution} {self.version})"
+
+    def check(self) -> None:
+        """Raise the pack's PolicyError (exit 2) when it is unusable."""
+        if self.error is not None:
+            raise PolicyError.single(f"pack {self.name}", self.error, has_value=False)
 
 
-def _pack_from_entry_point(ep: EntryPoint) -> Pack:
-    name = ep.name
-    module = ep.value.split(":")[0]
-    dist = ep.dist
-    spec = importlib.util.find_spec(module)
-    if spec is None or not spec.submodule_search_locations:
-        raise PolicyError.single(f"pack {name}", f"module '{module}' is not an importable package",
-                                 module, source=ENTRY_POINT_GROUP)
-    conf_dir = Path(list(spec.submodule_search_locations)[0])
-    version = _schema_version(conf_dir)
-    return Pack(name, module, dist.name if dist else "?", dist.version if dist else "?", conf_dir, version)
+@dataclass(frozen=True)
+class ConfigRoot:
+    """One folder of the Hydra search path and where it comes from."""
+
+    path: Path
+    origin: str
+    """``user dir``, ``built-in`` or a pack's label."""
+    pack: Pack | None = None
 
 
-def _schema_version(conf_dir: Path) -> int:
-    marker = conf_dir / "SCHEMA_VERSION"
+def _conf_dir(module: str) -> Path | None:
+    """The package folder, found without running the package (for packs that fail to import)."""
     try:
-        return int(marker.read_text().strip()) if marker.is_file() else SCHEMA_VERSION
-    except ValueError:
-        return -1
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return None
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    return Path(locations[0]) if locations and Path(locations[0]).is_dir() else None
+
+
+def _declared_version(module: str) -> tuple[int | None, str | None]:
+    """(schema version, error) read from the pack package's ``LIFECYCLE_SCHEMA_VERSION``."""
+    torch_before = "torch" in sys.modules
+    try:
+        mod = importlib.import_module(module)
+    except Exception as exc:  # noqa: BLE001 - any failure makes the pack unusable, not lifecycle
+        return None, f"cannot import package '{module}': {type(exc).__name__}: {exc}"
+    if not torch_before and "torch" in sys.modules:
+        log.warning("policy pack package '%s' imports torch; `lifecycle validate` gets slow", module)
+    declared = getattr(mod, VERSION_ATTR, None)
+    if declared is None:
+        return None, (f"declares no schema version; add `{VERSION_ATTR} = {SCHEMA_VERSION}` to "
+                      f"{module}/__init__.py")
+    if isinstance(declared, bool) or not isinstance(declared, int):
+        return None, f"{module}.{VERSION_ATTR} must be an int, got {declared!r}"
+    return declared, None
+
+
+def _load(ep: EntryPoint) -> Pack:
+    dist = ep.dist
+    dist_name, version = (dist.name, dist.version) if dist is not None else ("?", "?")
+    summary = (dist.metadata.get("Summary") or "") if dist is not None else ""
+    module = ep.module
+    schema, error = _declared_version(module)
+    conf_dir = _conf_dir(module)
+    if error is None and conf_dir is None:
+        error = f"package '{module}' is not a folder on disk (a zipped install?); reinstall it unzipped"
+    if error is None and schema != SCHEMA_VERSION:
+        error = (f"{dist_name} {version} targets lifecycle policy schema version {schema}, but this "
+                 f"lifecycle ({__version__}) reads schema version {SCHEMA_VERSION}; install a release of "
+                 f"{dist_name} that targets schema {SCHEMA_VERSION}, or a lifecycle that reads schema {schema}")
+    pack = Pack(ep.name, module, dist_name, version, conf_dir, schema, summary, error)
+    if error is not None:
+        log.debug("policy pack %s is unusable: %s", ep.name, error)
+    return pack
 
 
 def installed_packs() -> list[Pack]:
-    """Every installed pack, sorted by name. A pack for another schema version is an error."""
-    packs = []
-    for ep in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
-        pack = _pack_from_entry_point(ep)
-        if pack.schema_version != SCHEMA_VERSION:
-            raise PolicyError.single(
-                f"pack {pack.name}", f"{pack.distribution} {pack.version} targets lifecycle schema "
-                f"version {pack.schema_version}, this lifecycle reads version {SCHEMA_VERSION}; install a "
-                f"matching version of the pack or of lifecycle", pack.schema_version)
-        packs.append(pack)
-    return packs
+    """Every pack declared by an installed distribution, usable or not, in name order.
+
+    One entry-point scan (a few ms) and one import of each pack's small ``__init__`` per call.
+    """
+    eps = sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: (e.name, e.value))
+    return [_load(ep) for ep in eps]
 
 
-def pack_conf_dirs() -> list[Path]:
-    """Config dirs of the installed packs, in name order."""
-    return [p.conf_dir for p in installed_packs()]
+def search_roots(config_dir: Path | None, packs: list[Pack] | None = None) -> list[ConfigRoot]:
+    """The search path in order: the user's folder, the built-ins, then each usable pack by name."""
+    from lifecycle.policy.load import builtin_conf_dir
+
+    roots = [ConfigRoot(config_dir, "user dir")] if config_dir is not None else []
+    builtin = builtin_conf_dir()
+    if config_dir != builtin:
+        roots.append(ConfigRoot(builtin, "built-in"))
+    seen = {r.path for r in roots}
+    for pack in installed_packs() if packs is None else packs:
+        if pack.error is None and pack.conf_dir is not None and pack.conf_dir not in seen:
+            seen.add(pack.conf_dir)
+            roots.append(ConfigRoot(pack.conf_dir, pack.label, pack))
+    return roots
+
+
+def unusable_pack_for(config_path: str, packs: list[Pack] | None = None) -> Pack | None:
+    """The unusable pack that ships ``config_path`` (``preset/old``), if any: its error explains the miss."""
+    for pack in installed_packs() if packs is None else packs:
+        if pack.error is not None and pack.conf_dir is not None:
+            if (pack.conf_dir / f"{config_path}.yaml").is_file():
+                return pack
+    return None

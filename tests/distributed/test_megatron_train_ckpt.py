@@ -1,7 +1,7 @@
-"""Train and checkpoint a real megatron-core GPT-MoE on 4 gloo ranks (tp2 ep2 etp1: dp2, edp2).
+"""Train and checkpoint a real megatron-core GPT-MoE on 4 gloo ranks.
 
-Each test spawns 4 ranks that build the model once. Timings (build, step, save, load) are printed
-with ``pytest -s``.
+Layout tp2 ep2 etp1 (dp2, edp2) unless a test says otherwise. Each test spawns 4 ranks that build the
+model once. Timings (build, step, save, load) are printed with ``pytest -s``.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ WORLD, TP, EP, ETP = 4, 2, 2, 1
 DEADLINE_S = 100.0
 
 
-def _setup() -> Any:
+def _setup(tp: int = TP, ep: int = EP, etp: int = ETP) -> Any:
     import warnings
 
     warnings.simplefilter("ignore")  # megatron warns about apex/TE on every rank
@@ -31,8 +31,8 @@ def _setup() -> Any:
     from lifecycle.backends.megatron.cpu_compat import apply_cpu_compat
 
     apply_cpu_compat()
-    ps.initialize_model_parallel(tensor_model_parallel_size=TP, expert_model_parallel_size=EP,
-                                 expert_tensor_parallel_size=ETP)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                                 expert_tensor_parallel_size=etp)
     return ps
 
 
@@ -83,9 +83,9 @@ def _full_state(state: Any) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------ training
 
 
-def _train_rank(rank: int, world: int) -> dict[str, Any]:
+def _train_rank(rank: int, world: int, etp: int) -> dict[str, Any]:
     init_gloo(rank, world)
-    ps = _setup()
+    ps = _setup(etp=etp)
     from lifecycle.backends.megatron import model as m
     from lifecycle.errors import UsageError
 
@@ -96,7 +96,7 @@ def _train_rank(rank: int, world: int) -> dict[str, Any]:
     t0 = time.perf_counter()
     losses = _train(state, 20)
     step_s = (time.perf_counter() - t0) / 20
-    unchanged = [n for n, p in state.gpt.named_parameters() if torch_equal(before[n], p)]
+    unchanged = [n for n, p in state.gpt.named_parameters() if _equal(before[n], p)]
     experts = [n for n in before if ".experts." in n]
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(pipeline_model_parallel_size=2)
@@ -110,15 +110,16 @@ def _train_rank(rank: int, world: int) -> dict[str, Any]:
             "step_s": step_s, "pp_error": pp_error}
 
 
-def torch_equal(a: Any, b: Any) -> bool:
+def _equal(a: Any, b: Any) -> bool:
     import torch
 
     return bool(torch.equal(a, b))
 
 
 @pytest.mark.timeout(120)
-def test_loss_falls_and_every_parameter_steps() -> None:
-    results = run_ranks(_train_rank, WORLD, DEADLINE_S)
+@pytest.mark.parametrize("etp", [1, 2], ids=["etp1", "etp2"])
+def test_loss_falls_and_every_parameter_steps(etp: int) -> None:
+    results = run_ranks(_train_rank, WORLD, DEADLINE_S, etp)
     losses = results[0]["losses"]
     assert all(r["losses"] == losses for r in results), "the dp-averaged loss must agree on all ranks"
     assert losses[-1] < losses[0] - 1.5, losses
@@ -149,7 +150,8 @@ def _save_resume_rank(rank: int, world: int, root: str, store_port: int) -> dict
     at_10 = _full_state(state)
     timings: dict[str, float] = {}
 
-    # B: synchronous, plain strategy, finalized over a dedicated gloo group.
+    # B: synchronous, plain strategy, finalized over a dedicated gloo group. It is complete before A
+    # is: rank 0 finalizes B first, and everyone waits for A.
     t0 = time.perf_counter()
     handle = ck.begin_save(state, f"{root}/b", fully_parallel=False, async_=False)
     handle.finalize_over_group(ckpt_group, timeout_s=30)
@@ -159,9 +161,9 @@ def _save_resume_rank(rank: int, world: int, root: str, store_port: int) -> dict
     handle = ck.begin_save(state, f"{root}/a", fully_parallel=True, async_=True)
     timings["begin_async_s"] = time.perf_counter() - t0
     loss_11 = _train(state, 1)[0]
-    handle.finalize_via_store(store, "save-a", timeout_s=30)
+    # Loading needs metadata.json, which rank 0 writes last: everyone waits for it via the store.
+    handle.finalize_via_store(store, "save-a", timeout_s=30, wait_complete=True)
     timings["async_plan_s"], timings["async_write_s"] = handle.plan_s, handle.write_s or 0.0
-    dist.barrier()  # rank 0 finalizes; the others must not read before metadata.json exists
 
     fresh = m.build(spec)  # same seed: same data stream; its weights are the step-0 ones
     different_before = bool(_diff(at_10["model"], _full_state(fresh)["model"]))

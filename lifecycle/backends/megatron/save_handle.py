@@ -62,7 +62,8 @@ class SaveHandle:
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
 
-    def _start(self, buckets: list[Any], async_: bool) -> None:
+    def start_writes(self, buckets: list[Any], async_: bool) -> None:
+        """Write ``buckets`` now, or in a background thread with ``async_`` (begin_save calls it)."""
         if async_:
             self._thread = threading.Thread(target=self._write, args=(buckets,), daemon=True,
                                             name=f"lifecycle-ckpt-writer-{self.rank}")

@@ -1,0 +1,95 @@
+"""The printed form of summary.json: a few lines whatever the world size (ranks are folded into ranges)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+
+def rank_ranges(ranks: Iterable[Any]) -> str:
+    """``0-3,6,8-9`` for ranks 0,1,2,3,6,8,9 (JSON keys come back as strings)."""
+    rs = sorted({int(r) for r in ranks})
+    parts: list[str] = []
+    i = 0
+    while i < len(rs):
+        j = i
+        while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
+            j += 1
+        parts.append(str(rs[i]) if i == j else f"{rs[i]}-{rs[j]}")
+        i = j + 1
+    return ",".join(parts)
+
+
+def _phases(s: dict[str, Any]) -> list[str]:
+    lines = []
+    for phase, t in s["phases"].items():
+        line = (f"  {phase:<11} min {t['min_s']:>8.3f}s  median {t['median_s']:>8.3f}s  max {t['max_s']:>8.3f}s"
+                f"  (slowest rank {t['slowest_rank']})")
+        if t.get("cut_ranks"):
+            line += f"  cut on ranks {rank_ranges(t['cut_ranks'])}"
+        lines.append(line)
+    return lines
+
+
+def _warmup(s: dict[str, Any]) -> list[str]:
+    warm = s.get("warmup_per_group") or {}
+    if not warm:
+        return []
+    slow = sorted(warm.items(), key=lambda kv: -kv[1]["max_s"])[:4]
+    return ["warmup   " + ", ".join(f"{g} {w['max_s']:.3f}s (rank {w['slowest_rank']})" for g, w in slow)
+            + (f" ... {len(warm)} groups" if len(warm) > len(slow) else "")]
+
+
+def _checkpoints(s: dict[str, Any]) -> list[str]:
+    lines = []
+    for c in s["checkpoints"]:
+        if not c.get("committed"):
+            lines.append(f"NOT saved step {c['step']}: {c['path']} (the commit did not complete)")
+            continue
+        save = f"save {c['save_s']}s max (rank {c['save_slowest_rank']}), " if "save_s" in c else ""
+        lines.append(f"saved    step {c['step']}: {c['path']} ({save}commit {c['commit_s']}s)")
+    return lines
+
+
+def _exits(s: dict[str, Any]) -> list[str]:
+    by_how: dict[str, list[Any]] = {}
+    for r, st in (s.get("exit_status_per_rank") or {}).items():
+        by_how.setdefault(st["how"], []).append(r)
+    if set(by_how) <= {"exit 0"}:
+        return []
+    return ["exits    " + "; ".join(f"{how}: ranks {rank_ranges(rs)}" for how, rs in sorted(by_how.items()))]
+
+
+def _failures(s: dict[str, Any]) -> list[str]:
+    """The drills that fired, and the first rank's error (the launcher's first failure when it recorded one)."""
+    lines = [f"drill    {d.get('action')} on rank {d['rank']} in {d['phase']}"
+             + (f" step {d['drill_step']}" if d.get("drill_step") is not None else "")
+             for d in (s.get("fault_drills") or [])[:3]]
+    failures = s.get("failures") or []
+    first = [f for f in failures if f["rank"] == s.get("first_failure")] or failures
+    if first:
+        f = first[0]
+        lines.append(f"error    rank {f['rank']} in {f['phase']}: {f.get('error')}: {str(f.get('message'))[:200]}")
+    return lines
+
+
+def render(s: dict[str, Any]) -> str:
+    lines = [f"run      {s['run_dir']} ({s['ranks']} ranks)"]
+    if "outcome" in s:
+        lines.append(f"outcome  {s['outcome']} -> exit {s['exit_code']} in {s['wall_s']}s")
+    lines += _phases(s) + _warmup(s)
+    if s["loss"]:
+        loss = s["loss"]
+        lines.append(f"loss     {loss['first']:.4f} -> {loss['last']:.4f} over {loss['steps']} steps")
+    if s.get("resumed_from") is not None:
+        lines.append(f"resumed  from step {s['resumed_from']}")
+    if s.get("stop_step") is not None:
+        lines.append(f"stopped  preempted at step {s['stop_step']}, saved")
+    lines += _checkpoints(s)
+    if s["zero_token_events"]:
+        zt = s["zero_token_events"]
+        lines.append(f"zero-token events: {sum(zt.values())} on ranks {rank_ranges(zt)}")
+    lines += _failures(s)
+    if s.get("hang_reports"):
+        lines.append(f"hangs    {len(s['hang_reports'])} hang report(s); see summary.json and the timeline")
+    return "\n".join(lines + _exits(s))

@@ -1,0 +1,115 @@
+"""`lifecycle policies`: every config a user can choose, where it comes from, and its one-line description."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from lifecycle.policy.packs import ConfigRoot, Pack
+
+_SKIP_DIRS = {"__pycache__"}
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One choosable config: ``group=name`` (or ``--config-name name`` when ``group`` is empty)."""
+
+    group: str
+    name: str
+    origin: str
+    file: str
+    description: str
+    shadowed_by: str | None = None
+    """The origin of an earlier folder on the search path with the same config (which Hydra picks)."""
+
+    @property
+    def choose(self) -> str:
+        return f"{self.group}={self.name}" if self.group else f"--config-name {self.name}"
+
+
+def describe(file: Path) -> str:
+    """The ``description`` key, else the first comment line that is not a directive."""
+    try:
+        text = file.read_text()
+        data = yaml.safe_load(text)
+    except (OSError, yaml.YAMLError) as exc:
+        return f"(unreadable: {type(exc).__name__})"
+    if isinstance(data, dict) and isinstance(data.get("description"), str):
+        return data["description"].strip().splitlines()[0] if data["description"].strip() else ""
+    for line in text.splitlines():
+        stripped = line.strip()
+        if not stripped.startswith("#"):
+            if stripped:
+                break
+            continue
+        comment = stripped.lstrip("#").strip()
+        if comment and not comment.startswith(("@package", "yaml-language-server")):
+            return comment
+    return ""
+
+
+def _files(root: ConfigRoot) -> list[tuple[str, str, Path]]:
+    """(group, name, file) under one root; a pack's top-level files are not choosable (see README)."""
+    out = []
+    for file in sorted(root.path.rglob("*.yaml")):
+        rel = file.relative_to(root.path)
+        if any(part.startswith(".") or part in _SKIP_DIRS for part in rel.parts):
+            continue
+        group = "/".join(rel.parts[:-1])
+        if not group and root.pack is not None:
+            continue
+        out.append((group, file.stem, file))
+    return out
+
+
+def catalog(roots: list[ConfigRoot]) -> list[Entry]:
+    """Every config under the search path, grouped, in search order; later duplicates are shadowed."""
+    first: dict[tuple[str, str], str] = {}
+    entries = []
+    for root in roots:
+        for group, name, file in _files(root):
+            winner = first.setdefault((group, name), root.origin)
+            shadowed = winner if winner != root.origin else None
+            entries.append(Entry(group, name, root.origin, str(file), describe(file), shadowed))
+    return sorted(entries, key=lambda e: (e.group == "", e.group, e.name))
+
+
+def as_dict(entries: list[Entry], packs: list[Pack], kinds: list[Any]) -> dict[str, Any]:
+    """The --json output."""
+    return {
+        "configs": [{**asdict(e), "choose": e.choose} for e in entries],
+        "handler_kinds": [{"phase": s.phase, "kind": s.kind, "source": s.source, "description": s.description}
+                          for s in kinds],
+        "packs": [{**asdict(p), "conf_dir": str(p.conf_dir) if p.conf_dir else None, "usable": p.error is None}
+                  for p in packs],
+    }
+
+
+def _table(rows: list[tuple[str, ...]], indent: str = "  ") -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    return [(indent + "  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1]).rstrip() for r in rows]
+
+
+def render(entries: list[Entry], packs: list[Pack], kinds: list[Any]) -> str:
+    """Human text: configs by group, handler kinds, installed packs."""
+    lines: list[str] = []
+    groups = sorted({e.group for e in entries}, key=lambda g: (g == "", g))
+    for group in groups:
+        rows = [e for e in entries if e.group == group]
+        how = f"choose with {group}=NAME" if group else "choose with --config-name NAME"
+        lines.append(f"{group or 'configs'}  ({how})")
+        lines += _table([(e.name, e.origin, e.description + (f"  [shadowed by {e.shadowed_by}]"
+                                                              if e.shadowed_by else "")) for e in rows])
+        lines.append("")
+    lines.append("handler kinds  (choose with train.kind=NAME)")
+    lines += _table([(s.kind, s.source, s.description) for s in kinds])
+    lines += ["", "packs  (entry-point group lifecycle.policy_packs; searched after your dir and the built-ins)"]
+    if not packs:
+        lines.append("  (none installed)")
+    rows = [(p.name, f"{p.distribution} {p.version}",
+             f"UNUSABLE: {p.error}" if p.error else f"schema {p.schema_version}  {p.conf_dir}") for p in packs]
+    lines += _table(rows) if rows else []
+    return "\n".join(lines)

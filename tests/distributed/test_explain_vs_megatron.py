@@ -1,0 +1,49 @@
+"""What `lifecycle explain --world-size N --rank R` prints equals the groups real megatron-core builds."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lifecycle.explain import explain
+from lifecycle.policy.load import load
+from tests.distributed.test_layout_vs_megatron import _check
+from tests.helpers import run_cli
+
+pytestmark = pytest.mark.distributed
+
+LAYOUTS = [
+    (8, {"tp": 2, "pp": 2, "ep": 2}),
+    (4, {"tp": 2, "ep": 2, "etp": 1}),
+]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world,sizes", LAYOUTS)
+def test_explain_layout_equals_real_groups(world: int, sizes: dict[str, int]) -> None:
+    real = _check(world, sizes)
+    overrides = [f"parallelism.{k}={v}" for k, v in sizes.items()]
+    loaded = load(overrides)
+    for rank in range(world):
+        printed = explain(loaded, world, rank)["layout"]["groups"]
+        expected = {name: ranks for name, ranks in real[rank]["got"].items() if ranks}
+        assert printed == expected, f"rank {rank}"
+    # and the CLI prints the same for one rank
+    proc = run_cli("explain", "--json", "--world-size", str(world), "--rank", "1", *overrides)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["layout"]["groups"] == {n: r for n, r in real[1]["got"].items() if r}
+
+
+def test_explain_16384_ranks_is_fast() -> None:
+    proc = run_cli("explain", "--json", "--world-size", "16384", "--rank", "9999", "preset=moe_large",
+                   "parallelism.tp=8", "parallelism.ep=8", timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads(proc.stdout)
+    assert info["layout"]["groups"]["tp"] == list(range(9992, 10000))
+    assert info["layout"]["communicators_per_rank"] >= 7
+
+
+def test_explain_world_size_errors_name_the_rule() -> None:
+    proc = run_cli("explain", "--world-size", "6", "parallelism.tp=4")
+    assert proc.returncode == 2 and "world size 6 is not divisible by tp*pp*cp" in proc.stderr

@@ -1,0 +1,45 @@
+"""Every example runs as users run it (subprocesses with hard timeouts)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from lifecycle.obs.events import read_events
+from tests.distributed.runs import FAST, SYNTHETIC
+from tests.helpers import ROOT, run_cli
+
+EXAMPLES = ROOT / "examples"
+
+
+def test_house_policy_validates_and_explains() -> None:
+    args = ("--config-dir", str(EXAMPLES / "policies"), "--config-name", "house")
+    proc = run_cli("validate", *args)
+    assert proc.returncode == 0 and "checkpoint every 5" in proc.stdout, proc.stderr
+    proc = run_cli("explain", "--world-size", "4", *args)
+    assert proc.returncode == 0 and "warm:all_to_all" in proc.stdout and "barrier:every_10_steps" in proc.stdout
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_torchrun_example_runs_each_rank(tmp_path: Path) -> None:
+    venv_bin = Path(os.sys.executable).parent
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{venv_bin}:{os.environ['PATH']}"}
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(["bash", str(EXAMPLES / "torchrun.sh"), "2", f"run.dir={run_dir}", *SYNTHETIC, *FAST,
+                           "train.steps=3", "checkpoint.every_steps=0"],
+                          capture_output=True, text=True, timeout=110, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    events = read_events(run_dir)
+    assert sorted(events) == [0, 1]
+    for evs in events.values():
+        assert [e for e in evs if e["name"] == "exit"][0]["exit_code"] == 0
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "iter_0000003"
+
+
+def test_slurm_script_is_valid_bash() -> None:
+    proc = subprocess.run(["bash", "-n", str(EXAMPLES / "slurm.sbatch")], capture_output=True, text=True, timeout=10)
+    assert proc.returncode == 0, proc.stderr

@@ -25,6 +25,18 @@ def _policy_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", help="Hydra overrides: key=value, +key=value, ~key, group=option")
 
 
+DIFF_HELP = """Compare two resolved policies (schema defaults included) and print `key.path: A -> B` lines.
+
+Each of A and B is ONE shell argument: an optional config name (a first word without `=`, as
+--config-name) and Hydra overrides. Trailing OVERRIDES apply to both sides, before each side's own.
+Exit 0 when equal, 1 when they differ, 2 when a side is not a valid policy (like diff(1)).
+
+  lifecycle diff preset=moe preset=moe_large
+  lifecycle diff preset=moe_large "preset=moe_large checkpoint.async=false parallelism.ep=8"
+  lifecycle diff -d my_policies house "house parallelism.ep=8" run.id=ci
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lifecycle", description=__doc__.split("\n")[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -80,26 +92,14 @@ def _explain(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
-DIFF_HELP = """Compare two resolved policies (schema defaults included) and print `key.path: A -> B` lines.
-
-Each of A and B is ONE shell argument: an optional config name (a first word without `=`, as
---config-name) and Hydra overrides. Trailing OVERRIDES apply to both sides, before each side's own.
-Exit 0 when equal, 1 when they differ, 2 when a side is not a valid policy (like diff(1)).
-
-  lifecycle diff preset=moe preset=moe_large
-  lifecycle diff preset=moe_large "preset=moe_large checkpoint.async=false parallelism.ep=8"
-  lifecycle diff -d my_policies house "house parallelism.ep=8" run.id=ci
-"""
-
-
 def _policies(args: argparse.Namespace) -> int:
     from lifecycle.phases import registry
     from lifecycle.policy import catalog
-    from lifecycle.policy.load import _user_dir
-    from lifecycle.policy.packs import installed_packs, search_roots
+    from lifecycle.policy.load import config_roots
+    from lifecycle.policy.packs import installed_packs
 
     packs = installed_packs()
-    entries = catalog.catalog(search_roots(_user_dir(args.config_dir), packs))
+    entries = catalog.catalog(config_roots(args.config_dir, packs))
     kinds = registry.all_specs("train")
     print(json.dumps(catalog.as_dict(entries, packs, kinds), indent=1) if args.json
           else catalog.render(entries, packs, kinds))

@@ -10,6 +10,8 @@ from lifecycle.errors import PolicyError
 from lifecycle.machine.plan import Plan, WarmTarget, build_plan
 from lifecycle.policy.checks import world_issues
 from lifecycle.policy.load import Loaded, sha256
+from lifecycle.policy.provenance import Origin, provenance
+from lifecycle.policy.provenance import render as render_sources
 
 
 class LayoutView:
@@ -78,6 +80,7 @@ def explain(loaded: Loaded, world_size: int | None, rank: int) -> dict[str, Any]
         out.update(world_size=world_size, rank=rank, layout=group_summary(layout, rank))
     plan: Plan = build_plan(loaded.policy, view)
     out["plan"] = plan.as_dict()
+    out["sources"] = {k: o.as_dict() for k, o in provenance(loaded).items()}
     return out
 
 
@@ -86,6 +89,8 @@ def render(info: dict[str, Any]) -> str:
     lines = [f"policy  {info['source']}", f"sha256  {info['sha256'][:16]}"]
     if info.get("description"):
         lines.append(f"about   {info['description']}")
+    if info.get("sources"):
+        lines += ["", *render_sources({k: Origin(**v) for k, v in info["sources"].items()})]
     if "layout" in info:
         lay = info["layout"]
         lines += ["", f"layout  world size {info['world_size']}, rank {info['rank']}: "

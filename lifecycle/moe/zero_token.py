@@ -18,6 +18,9 @@ is empty (then ``tokens_per_expert`` sums to zero) the action decides:
 - ``warn``: log once per layer and count.
 - ``off``: nothing is installed.
 
+Counts are per forward call: with activation recompute of the MoE layer a zero-token forward that is
+re-run in the backward pass counts twice.
+
 The module imports torch only; megatron is found by duck typing, never imported.
 """
 
@@ -96,9 +99,9 @@ class ZeroTokenGuard:
         self.counts[name] = 0
         self._calls[id(module)] = []
         # The forward hook is prepended so every other forward hook sees the real (sliced) output;
-        # pre-hooks registered before the guard see the real arguments. Each pre-hook pushes one entry and the forward hook pops the
-        # top one: calls nest (recompute) but never interleave, and an entry left by a forward that
-        # raised stays below the live ones.
+        # pre-hooks registered before the guard see the real arguments. Each pre-hook call pushes
+        # one entry and the forward hook pops the top one: calls may nest but never interleave, and
+        # an entry left by a forward that raised stays below the live ones.
         self._handles.append(module.register_forward_pre_hook(
             lambda mod, args, kwargs: self._before(name, mod, args, kwargs), with_kwargs=True))
         self._handles.append(module.register_forward_hook(

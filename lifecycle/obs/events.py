@@ -44,6 +44,10 @@ class EventLog:
         self.on_close: list[Any] = []
         """Callables run once by ``close()`` before the file closes (sinks flush here); errors are ignored."""
         atexit.register(self.close)
+        if os.environ.get("LIFECYCLE_SINKS"):  # optional sinks (tensorboard...), see lifecycle.obs.sinks
+            from lifecycle.obs import sinks
+
+            sinks.attach(self, sinks.from_env())
 
     def emit(self, kind: str, name: str, **fields: Any) -> dict[str, Any]:
         """Record one event; ``phase`` and ``step`` default to the current ones."""

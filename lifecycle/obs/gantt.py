@@ -7,7 +7,6 @@ failures, fault drills, hang reports and exits are markers.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +21,12 @@ MARKERS = {"failure": ("X", FAILURE_COLOR, "failure"), "fault_drill": ("v", "#ff
 
 
 def available() -> bool:
-    """Whether matplotlib is importable (without importing it)."""
-    return importlib.util.find_spec("matplotlib") is not None
+    """Whether matplotlib can be imported (the optional ``plot`` extra)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _marker(name: str) -> tuple[str, str, str] | None:

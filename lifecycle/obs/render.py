@@ -46,8 +46,9 @@ def _checkpoints(s: dict[str, Any]) -> list[str]:
         if not c.get("committed"):
             lines.append(f"NOT saved step {c['step']}: {c['path']} (the commit did not complete)")
             continue
-        save = f"save {c['save_s']}s max (rank {c['save_slowest_rank']}), " if "save_s" in c else ""
-        lines.append(f"saved    step {c['step']}: {c['path']} ({save}commit {c['commit_s']}s)")
+        save = f"save {c['save_s']:.3f}s on rank {c['save_slowest_rank']}, " if "save_s" in c else ""
+        commit = f"commit {c['commit_s']:.3f}s" if "commit_s" in c else "commit on rank 0 not recorded"
+        lines.append(f"saved    step {c['step']}: {c['path']} ({save}{commit})")
     return lines
 
 
@@ -69,7 +70,10 @@ def _failures(s: dict[str, Any]) -> list[str]:
     first = [f for f in failures if f["rank"] == s.get("first_failure")] or failures
     if first:
         f = first[0]
-        lines.append(f"error    rank {f['rank']} in {f['phase']}: {f.get('error')}: {str(f.get('message'))[:200]}")
+        cause = s.get("first_failure")
+        after = f" (after rank {cause} failed)" if cause is not None and cause != f["rank"] else ""
+        lines.append(f"error    rank {f['rank']} in {f['phase']}{after}: {f.get('error')}: "
+                     f"{str(f.get('message'))[:200]}")
     return lines
 
 

@@ -21,8 +21,8 @@ PHASES = ("init", "warmup", "train", "checkpoint", "teardown")
 def stats(values: dict[int, float]) -> dict[str, Any]:
     """min/median/max over ranks (seconds) and the slowest rank (the lowest one on a tie)."""
     slowest = min(values, key=lambda r: (-values[r], r))
-    return {"min_s": round(min(values.values()), 4), "median_s": round(statistics.median(values.values()), 4),
-            "max_s": round(max(values.values()), 4), "slowest_rank": slowest, "ranks": len(values)}
+    return {"min_s": round(min(values.values()), 6), "median_s": round(statistics.median(values.values()), 6),
+            "max_s": round(max(values.values()), 6), "slowest_rank": slowest, "ranks": len(values)}
 
 
 def _per_rank(spans: dict[int, list[Span]], key: Any) -> tuple[dict[str, dict[int, float]], dict[str, set[int]]]:
@@ -79,8 +79,8 @@ def checkpoints(spans: dict[int, list[Span]]) -> list[dict[str, Any]]:
             st = stats({r: s.dur_us / 1e6 for r, s in save.items()})
             entry.update(save_s=st["max_s"], save_slowest_rank=st["slowest_rank"])
         if c0 is not None:
-            entry.update(commit_s=round(c0.dur_us / 1e6, 4), write_s=c0.fields.get("write_s"),
-                         commit_s_max=round(max(s.dur_us for s in commit.values()) / 1e6, 4))
+            entry.update(commit_s=round(c0.dur_us / 1e6, 6), write_s=c0.fields.get("write_s"),
+                         commit_s_max=round(max(s.dur_us for s in commit.values()) / 1e6, 6))
         entry["committed"] = bool(commit) and all(not s.cut and s.fields.get("outcome") == "ok"
                                                   for s in commit.values())
         out.append(entry)
@@ -126,8 +126,11 @@ def zero_tokens(events: dict[int, list[dict[str, Any]]]) -> dict[int, int]:
     """Zero-token events per rank: ``zero_token`` instants (``count`` each, default 1) or scalars (value)."""
     out: dict[int, int] = {}
     for r, evs in events.items():
-        n = sum(int(e.get("count", 1)) if e["kind"] == "instant" else int(e.get("value", 0))
-                for e in evs if e["name"] == "zero_token" and e["kind"] in ("instant", "scalar"))
+        n = 0
+        for e in evs:
+            if e["name"] == "zero_token" and e["kind"] in ("instant", "scalar"):
+                v = e.get("count", 1) if e["kind"] == "instant" else e.get("value", 0)
+                n += int(v) if isinstance(v, int | float) else 1
         if n:
             out[r] = n
     return out

@@ -71,7 +71,7 @@ def build_trace(events: dict[int, list[dict[str, Any]]], meta: dict[str, Any] | 
         body += [x for e in evs for x in _points(e, pid, t0)]
         out.extend(sorted(body, key=lambda x: (x["ts"], -x.get("dur", 0))))
     other = {"t0_us_since_epoch": t0, "ranks": len(events), "hosts": hosts, **(meta or {})}
-    return {"traceEvents": out, "displayTimeUnit": "ms", "otherData": other}
+    return {"traceEvents": out, "displayTimeUnit": "ms", "metadata": other}
 
 
 def _meta(kind: str, pid: int, tid: int | None, **args: Any) -> dict[str, Any]:

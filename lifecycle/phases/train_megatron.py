@@ -38,8 +38,8 @@ class MegatronGPTStep:
         if action != "off" and o.num_experts:
             from lifecycle.moe import install_zero_token_guard
 
-            def on_event(layer: str, step: int | None, count: int) -> None:
-                ctx.events.instant("zero_token", layer=layer, count=count, action=action)
+            def on_event(layer: str, step: int | None, total: int) -> None:
+                ctx.events.instant("zero_token", layer=layer, step=step, count=1, total=total, action=action)
 
             self.guard = install_zero_token_guard(self.state.gpt, action, rank=ctx.rank, on_event=on_event)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -39,27 +40,43 @@ def describe(file: Path) -> str:
         return f"(unreadable: {type(exc).__name__})"
     if isinstance(data, dict) and isinstance(data.get("description"), str):
         return data["description"].strip().splitlines()[0] if data["description"].strip() else ""
+    return _first_sentence(_leading_comment(text))
+
+
+def _leading_comment(text: str) -> str:
+    """The first block of comment lines, directives (``@package``, ``yaml-language-server``) skipped."""
+    block: list[str] = []
     for line in text.splitlines():
         stripped = line.strip()
-        if not stripped.startswith("#"):
-            if stripped:
+        comment = stripped.lstrip("#").strip()
+        if stripped.startswith("#") and comment.startswith(("@package", "yaml-language-server")):
+            continue
+        if not stripped.startswith("#") or not comment:
+            if block or (stripped and not stripped.startswith("#")):
                 break
             continue
-        comment = stripped.lstrip("#").strip()
-        if comment and not comment.startswith(("@package", "yaml-language-server")):
-            return comment
-    return ""
+        block.append(comment)
+    return " ".join(block)
 
 
-def _files(root: ConfigRoot) -> list[tuple[str, str, Path]]:
-    """(group, name, file) under one root; a pack's top-level files are not choosable (see README)."""
+def _first_sentence(text: str) -> str:
+    end = text.find(". ")
+    return text if end < 0 else text[: end + 1]
+
+
+def _files(root: ConfigRoot, primary: bool) -> list[tuple[str, str, Path]]:
+    """(group, name, file) under one root.
+
+    Top-level files count only in the first folder: Hydra looks a ``--config-name`` up there alone (it
+    reads the primary config before the rest of the search path is in place).
+    """
     out = []
     for file in sorted(root.path.rglob("*.yaml")):
         rel = file.relative_to(root.path)
         if any(part.startswith(".") or part in _SKIP_DIRS for part in rel.parts):
             continue
         group = "/".join(rel.parts[:-1])
-        if not group and root.pack is not None:
+        if not group and not primary:
             continue
         out.append((group, file.stem, file))
     return out
@@ -69,8 +86,8 @@ def catalog(roots: list[ConfigRoot]) -> list[Entry]:
     """Every config under the search path, grouped, in search order; later duplicates are shadowed."""
     first: dict[tuple[str, str], str] = {}
     entries = []
-    for root in roots:
-        for group, name, file in _files(root):
+    for i, root in enumerate(roots):
+        for group, name, file in _files(root, primary=i == 0):
             winner = first.setdefault((group, name), root.origin)
             shadowed = winner if winner != root.origin else None
             entries.append(Entry(group, name, root.origin, str(file), describe(file), shadowed))
@@ -88,9 +105,9 @@ def as_dict(entries: list[Entry], packs: list[Pack], kinds: list[Any]) -> dict[s
     }
 
 
-def _table(rows: list[tuple[str, ...]], indent: str = "  ") -> list[str]:
+def _table(rows: Sequence[Sequence[str]], indent: str = "  ") -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
-    return [(indent + "  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1]).rstrip() for r in rows]
+    return [(indent + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + "  " + r[-1]).rstrip() for r in rows]
 
 
 def render(entries: list[Entry], packs: list[Pack], kinds: list[Any]) -> str:
@@ -98,11 +115,11 @@ def render(entries: list[Entry], packs: list[Pack], kinds: list[Any]) -> str:
     lines: list[str] = []
     groups = sorted({e.group for e in entries}, key=lambda g: (g == "", g))
     for group in groups:
-        rows = [e for e in entries if e.group == group]
+        members = [e for e in entries if e.group == group]
         how = f"choose with {group}=NAME" if group else "choose with --config-name NAME"
         lines.append(f"{group or 'configs'}  ({how})")
         lines += _table([(e.name, e.origin, e.description + (f"  [shadowed by {e.shadowed_by}]"
-                                                              if e.shadowed_by else "")) for e in rows])
+                                                              if e.shadowed_by else "")) for e in members])
         lines.append("")
     lines.append("handler kinds  (choose with train.kind=NAME)")
     lines += _table([(s.kind, s.source, s.description) for s in kinds])

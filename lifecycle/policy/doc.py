@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 import types
 import typing
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel

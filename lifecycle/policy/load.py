@@ -77,7 +77,7 @@ def compose(overrides: Sequence[str] = (), *, config_dir: str | Path | None = No
     from omegaconf.errors import OmegaConfBaseException
 
     packs = installed_packs()
-    roots = search_roots(_user_dir(config_dir), packs)
+    roots = config_roots(config_dir, packs)
     source = f"{roots[0].path}/{config_name}.yaml"
     try:
         # The user's dir comes first so it can override any built-in or pack file of the same name.
@@ -107,7 +107,7 @@ def _raise_if_from_unusable_pack(exc: Exception, packs: list[Pack]) -> None:
     missing = getattr(exc, "missing_cfg_file", None)
     pack = unusable_pack_for(missing, packs) if isinstance(missing, str) else None
     if pack is not None:
-        pack.check()
+        pack.check(missing)
 
 
 def normalize_overrides(overrides: Sequence[str]) -> list[str]:
@@ -124,6 +124,11 @@ def normalize_overrides(overrides: Sequence[str]) -> list[str]:
             override = "++" + override
         out.append(override)
     return out
+
+
+def config_roots(config_dir: str | Path | None, packs: list[Pack] | None = None) -> list[ConfigRoot]:
+    """The search path: ``--config-dir`` (checked), the built-ins, the usable installed packs."""
+    return search_roots(_user_dir(config_dir), packs)
 
 
 def _user_dir(config_dir: str | Path | None) -> Path | None:

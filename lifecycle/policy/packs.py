@@ -57,10 +57,11 @@ class Pack:
         """How listings and ``explain`` name it: ``pack acme (acme-lifecycle-policies 1.0.0)``."""
         return f"pack {self.name} ({self.distribution} {self.version})"
 
-    def check(self) -> None:
-        """Raise the pack's PolicyError (exit 2) when it is unusable."""
+    def check(self, wanted: str | None = None) -> None:
+        """Raise the pack's PolicyError (exit 2) when it is unusable; ``wanted`` is the config asked for."""
         if self.error is not None:
-            raise PolicyError.single(f"pack {self.name}", self.error, has_value=False)
+            why = f" (it ships {wanted}.yaml, which this policy asks for)" if wanted else ""
+            raise PolicyError.single(self.label, f"unusable pack{why}: {self.error}", has_value=False)
 
 
 @dataclass(frozen=True)
@@ -104,14 +105,14 @@ def _declared_version(module: str) -> tuple[int | None, str | None]:
 def _load(ep: EntryPoint) -> Pack:
     dist = ep.dist
     dist_name, version = (dist.name, dist.version) if dist is not None else ("?", "?")
-    summary = (dist.metadata.get("Summary") or "") if dist is not None else ""
+    summary = str(dist.metadata.json.get("summary") or "") if dist is not None else ""
     module = ep.module
     schema, error = _declared_version(module)
     conf_dir = _conf_dir(module)
     if error is None and conf_dir is None:
         error = f"package '{module}' is not a folder on disk (a zipped install?); reinstall it unzipped"
     if error is None and schema != SCHEMA_VERSION:
-        error = (f"{dist_name} {version} targets lifecycle policy schema version {schema}, but this "
+        error = (f"targets lifecycle policy schema version {schema}, but this "
                  f"lifecycle ({__version__}) reads schema version {SCHEMA_VERSION}; install a release of "
                  f"{dist_name} that targets schema {SCHEMA_VERSION}, or a lifecycle that reads schema {schema}")
     pack = Pack(ep.name, module, dist_name, version, conf_dir, schema, summary, error)

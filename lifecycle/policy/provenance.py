@@ -9,7 +9,8 @@ sets a key wins, as in Hydra's merge — and then the command-line overrides giv
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import textwrap
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +31,14 @@ class Origin:
     file: str | None = None
     path: str | None = None
     """Absolute path of the file."""
+    order: int = field(default=0, compare=False)
+    """Position in the merge order (files in Hydra's order, then the command line)."""
 
     def __str__(self) -> str:
-        return f"{self.file} ({self.source})" if self.file else self.source
+        return f"{self.source} {self.file}" if self.file else self.source
+
+    def as_dict(self) -> dict[str, str | int | None]:
+        return {"source": self.source, "file": self.file, "path": self.path, "order": self.order}
 
 
 def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
@@ -106,18 +112,18 @@ def _apply_override(origins: dict[str, Origin], override: str, roots: tuple[Conf
     # A mapping value merges into the node (Hydra's update), so only its own leaves change origin.
     leaves = flatten(parsed, key) if isinstance(parsed, dict) and parsed else {key: parsed}
     for leaf in leaves:
-        _set(origins, leaf, Origin(COMMAND_LINE))
+        _set(origins, leaf, Origin(COMMAND_LINE, order=1 << 30))
 
 
 def last_writers(loaded: Loaded) -> dict[str, Origin]:
     """For each key some file or override set: the origin of its final value."""
     origins: dict[str, Origin] = {}
-    for config_path, package in _defaults(loaded):
+    for i, (config_path, package) in enumerate(_defaults(loaded)):
         found = _find(config_path, loaded.roots)
         if found is None:
             continue
         root, file = found
-        origin = Origin(root.origin, f"{config_path}.yaml", str(file))
+        origin = Origin(root.origin, f"{config_path}.yaml", str(file), i)
         for key in _file_keys(file, package):
             _set(origins, key, origin)
     for override in loaded.overrides:
@@ -136,3 +142,32 @@ def provenance(loaded: Loaded) -> dict[str, Origin]:
         prefixes = (".".join(parts[:i]) for i in range(len(parts), 0, -1))
         out[key] = next((writers[p] for p in prefixes if p in writers), Origin(DEFAULT))
     return out
+
+
+def _compress(keys: list[str]) -> list[str]:
+    """``checkpoint.every_steps checkpoint.keep_last`` -> ``checkpoint.{every_steps,keep_last}``."""
+    by_parent: dict[str, list[str]] = {}
+    for key in keys:
+        parent, _, leaf = key.rpartition(".")
+        by_parent.setdefault(parent, []).append(leaf)
+    out = []
+    for parent, leaves in by_parent.items():
+        if not parent:
+            out.extend(leaves)
+        else:
+            out.append(f"{parent}.{leaves[0]}" if len(leaves) == 1 else f"{parent}.{{{','.join(leaves)}}}")
+    return out
+
+
+def render(origins: dict[str, Origin], width: int = 110) -> list[str]:
+    """Text lines: each origin in merge order with the keys whose final value it set."""
+    groups: dict[Origin, list[str]] = {}
+    for key, origin in origins.items():
+        if origin.source != DEFAULT:
+            groups.setdefault(origin, []).append(key)
+    lines = ["sources  (the last file or override that set each key; unlisted keys are schema defaults)"]
+    for origin in sorted(groups, key=lambda o: o.order):
+        lines.append(f"  {origin}")
+        lines += textwrap.wrap(" ".join(_compress(groups[origin])), width, initial_indent=" " * 6,
+                               subsequent_indent=" " * 6, break_on_hyphens=False)
+    return lines

@@ -93,6 +93,7 @@ def _train_rank(rank: int, world: int, etp: int) -> dict[str, Any]:
     state = m.build(m.ModelSpec())
     build_s = time.perf_counter() - t0
     before = {n: p.detach().clone() for n, p in state.gpt.named_parameters()}
+    not_replicated = _not_replicated(state)
     t0 = time.perf_counter()
     losses = _train(state, 20)
     step_s = (time.perf_counter() - t0) / 20
@@ -107,7 +108,23 @@ def _train_rank(rank: int, world: int, etp: int) -> dict[str, Any]:
         pp_error = str(err)
     ps.destroy_model_parallel()
     return {"losses": losses, "unchanged": unchanged, "experts": experts, "build_s": build_s,
-            "step_s": step_s, "pp_error": pp_error}
+            "step_s": step_s, "pp_error": pp_error, "not_replicated": not_replicated}
+
+
+def _not_replicated(state: Any) -> list[str]:
+    """Parameters that differ from the first rank of their dp (or, for experts, expert-dp) group."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    bad = []
+    for name, param in state.gpt.named_parameters():
+        group = ps.get_expert_data_parallel_group() if ".experts." in name else ps.get_data_parallel_group()
+        ref = param.detach().clone()
+        dist.broadcast(ref, src=dist.get_process_group_ranks(group)[0], group=group)
+        if not torch.equal(ref, param.detach()):
+            bad.append(name)
+    return bad
 
 
 def _equal(a: Any, b: Any) -> bool:
@@ -126,6 +143,7 @@ def test_loss_falls_and_every_parameter_steps(etp: int) -> None:
     for r in results:
         assert len(r["experts"]) >= 4  # 2 local experts x 2 layers, fc1 + fc2 each
         assert r["unchanged"] == [], "every parameter, experts included, must be updated"
+        assert r["not_replicated"] == [], "build() must seed identical dp/expert-dp replicas"
         assert "pp=2" in r["pp_error"]
     print(f"\nbuild {results[0]['build_s']:.3f}s, step {results[0]['step_s'] * 1e3:.1f}ms, "
           f"losses {losses[0]:.3f} -> {losses[-1]:.3f}")

@@ -51,7 +51,9 @@ def _skipping_experts_class() -> type:
 
         def forward(self, hidden: Any, tokens_per_expert: Any, probs: Any) -> Any:
             if int(tokens_per_expert.sum()) == 0:
-                return hidden * 0.0, None  # still connected to the dispatcher's graph
+                # Like TEGroupedMLP, the probs still scale the (empty) activations outside the GEMMs,
+                # so hidden and probs stay in the graph and the dispatcher's all-to-all backwards run.
+                return hidden * probs.unsqueeze(-1), None
             return super().forward(hidden, tokens_per_expert, probs)
 
     return SkippingSequentialMLP

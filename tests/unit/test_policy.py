@@ -9,8 +9,8 @@ from pydantic import ValidationError
 
 from lifecycle.errors import PolicyError
 from lifecycle.policy import load as L
-from lifecycle.policy.schema import Policy, is_schema_path
 from lifecycle.policy.checks import world_issues
+from lifecycle.policy.schema import Policy, is_schema_path
 
 
 def test_default_policy_is_the_moe_job() -> None:

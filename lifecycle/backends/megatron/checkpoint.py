@@ -32,11 +32,12 @@ of the default group must call it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -127,20 +128,43 @@ def _capturing_strategy(thread_count: int) -> Any:
     return CapturingStrategy(BACKEND, VERSION, thread_count=thread_count)
 
 
-def _skip_results_manager() -> None:
+@contextlib.contextmanager
+def _no_results_manager() -> Iterator[None]:
     # FileSystemWriterAsync.prepare_write_data spawns a multiprocessing Manager (a fresh interpreter
-    # per rank) for its result queue. We collect results ourselves, so a plain queue stands in.
+    # per rank) for its result queue. We collect results ourselves, so a plain queue stands in while
+    # we plan; restored after, so megatron's own async machinery still gets its Manager if used.
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    if getattr(filesystem_async, "_results_queue", 0) is None:
-        filesystem_async._results_queue = queue.Queue()
+    if getattr(filesystem_async, "_results_queue", 0) is not None:
+        yield
+        return
+    filesystem_async._results_queue = queue.Queue()
+    try:
+        yield
+    finally:
+        filesystem_async._results_queue = None
 
 
-def _snapshot(buckets: Sequence[Any]) -> list[Any]:
-    # On CPU the "device-to-host preload" is a no-op, so training would mutate what a background
-    # writer is still writing (optimizer moments are not cloned by megatron): copy them now.
-    return [(name, key, (bytes_data, [(item, t.detach().clone()) for item, t in tensors]))
-            for name, key, (bytes_data, tensors) in buckets]
+def _host_buckets(request: Any, writer: Any, snapshot: bool) -> list[Any]:
+    """This rank's write buckets with every tensor on the host, private to the writer if ``snapshot``.
+
+    megatron's ``preload_fn`` copies GPU tensors to the host (the writer asserts ``is_cpu``). For a
+    tensor already on the CPU that "copy" is the live tensor itself, which training would mutate
+    under a background writer (megatron clones only non-contiguous views, not optimizer moments):
+    with ``snapshot`` those are cloned now.
+    """
+    if request.async_fn is None or not writer.write_buckets:
+        return []
+    live = writer.write_buckets
+    staged = request.preload_fn() if request.preload_fn is not None else live
+    if not snapshot:
+        return list(staged)
+    out = []
+    for (name, key, (bytes_data, tensors)), (_, _, (_, originals)) in zip(staged, live, strict=True):
+        copied = [(item, t.detach().clone() if t is orig else t)
+                  for (item, t), (_, orig) in zip(tensors, originals, strict=True)]
+        out.append((name, key, (bytes_data, copied)))
+    return out
 
 
 def begin_save(state: TrainState, ckpt_dir: str, *, fully_parallel: bool = False,
@@ -160,7 +184,6 @@ def begin_save(state: TrainState, ckpt_dir: str, *, fully_parallel: bool = False
     )
 
     apply_cpu_compat()
-    _skip_results_manager()
     os.makedirs(ckpt_dir, exist_ok=True)  # every rank: no barrier needed, exist_ok is race-free
     t0 = time.perf_counter()
     base = _capturing_strategy(thread_count)
@@ -168,11 +191,11 @@ def begin_save(state: TrainState, ckpt_dir: str, *, fully_parallel: bool = False
     if fully_parallel:
         dp_cp = ps.get_data_parallel_group(with_context_parallel=True)
         strategy = FullyParallelSaveStrategyWrapper(base, dp_cp, do_cache_distribution=False)
-    request = dist_checkpointing.save(sharded_state(state), ckpt_dir, sharded_strategy=strategy,
-                                      async_sharded_save=True, validate_access_integrity=True)
+    with _no_results_manager():
+        request = dist_checkpointing.save(sharded_state(state), ckpt_dir, sharded_strategy=strategy,
+                                          async_sharded_save=True, validate_access_integrity=True)
     writer, global_metadata, _ = base.captured
-    buckets = list(writer.write_buckets or []) if request.async_fn is not None else []
     handle = SaveHandle(ckpt_dir, writer, global_metadata, step=state.step)
     handle.plan_s = time.perf_counter() - t0
-    handle.start_writes(_snapshot(buckets) if async_ else buckets, async_)
+    handle.start_writes(_host_buckets(request, writer, snapshot=async_), async_)
     return handle

@@ -41,7 +41,7 @@ class ModelSpec:
     moe_router_topk: int = 2
     dispatcher: str = "alltoall"  # "alltoall" or "allgather"
     lr: float = 3e-3
-    seed: int = 1234
+    seed: int = 1234  # drives the weights *and* the synthetic data stream
     clip_grad: float = 1.0
     aux_loss_coeff: float = 1e-2
 
@@ -104,9 +104,10 @@ def transformer_config(spec: ModelSpec, sizes: dict[str, int]) -> Any:
 def build(spec: ModelSpec) -> TrainState:
     """Build model, DDP wrapper and optimizer on this rank, seeded from ``spec.seed``.
 
-    Collective: every rank of the default group must call it (DDP creates its buckets and
-    ``broadcast_params`` broadcasts over the dp and expert-dp groups). ``parallel_state`` must be
-    initialized. Raises :class:`UsageError` for pp > 1.
+    Collective: every rank of the default group must call it; ``get_megatron_optimizer`` runs two
+    ``all_gather_object`` on the default group (it aligns the dense and expert param groups across
+    ranks). Nothing touches the dp/ep/edp groups. ``parallel_state`` must be initialized. Raises
+    :class:`UsageError` for pp > 1.
     """
     from megatron.core import tensor_parallel
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -128,8 +129,9 @@ def build(spec: ModelSpec) -> TrainState:
                    max_sequence_length=spec.seq_len, position_embedding_type="learned_absolute")
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                use_distributed_optimizer=False)
+    # No broadcast_params(): the seeding above already gives identical dp/edp replicas (checked), and
+    # a broadcast would touch the dp and expert-dp groups at build time, hiding their lazy first use.
     model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=gpt)
-    model.broadcast_params()
     opt_config = OptimizerConfig(optimizer="adam", lr=spec.lr, weight_decay=0.0, bf16=False, fp16=False,
                                  params_dtype=torch.float32, clip_grad=spec.clip_grad,
                                  use_distributed_optimizer=False)
@@ -165,10 +167,14 @@ def _forward_backward(state: TrainState, batch: dict[str, torch.Tensor]) -> torc
 def train_step(state: TrainState, batch: dict[str, torch.Tensor]) -> float:
     """One training step: zero grads, forward, backward, reduce grads, optimizer step.
 
-    Collective: every rank of the default group must call it with its own batch. Inside: MoE
-    all-to-all (or all-gather) on the ep/tp groups, gradient all-reduce on the dp group (dense) and
-    expert-dp group (experts), grad-norm all-reduce on the model-parallel groups, and the loss
-    all-reduce on the dp group. Returns the dp-averaged loss, identical on every rank.
+    Collective: every rank of the default group must call it with its own batch. Inside, in order:
+    forward/backward collectives on the tp group (sequence-parallel gather/reduce-scatter,
+    vocab-parallel cross entropy) and the ep group (``all_to_all_single`` of token counts and tokens,
+    or all-gathers with the allgather dispatcher; the expert-tp group when etp > 1); then
+    ``finalize_model_grads``: gradient all-reduce on the dp group (dense) and the expert-dp group
+    (experts), layer-norm grads on the tp group; the grad-norm all-reduces of the optimizer on the
+    model-parallel groups; last, the loss all-reduce on the dp group. Returns the dp-averaged loss,
+    identical on every rank.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import finalize_model_grads

@@ -1,0 +1,118 @@
+"""This rank's progress as the watchdog sees it: a local slot fed by the EventLog, read by the watchdog thread.
+
+The EventLog calls :meth:`Progress.on_event` for every event it records, on the thread that emits it
+(the training thread). The work there is O(1) and touches no store and no file: a lock, a counter and a
+tuple. The watchdog thread takes a :meth:`Progress.record` snapshot at every poll and publishes it.
+
+What is tracked (all from ``begin``/``end`` span events):
+
+- the phase (``phase`` of the latest event) and the train step;
+- the open spans (``init_process_group``, ``warm:all_reduce``, ``step``, ``save`` ...), innermost last;
+- per group label, how many spans this rank has *begun* on that group (its sequence number there).
+  Spans without a group count on ``world``: every rank runs them in the same order (plan order), so
+  on any group, a member whose count is below mine has not reached the op I am in;
+- the time of the last begin/end (the watchdog measures the phase deadline from it).
+
+Phase begins (``phase:<name>``) count as ``world`` ops too, so a rank stuck at a phase entry is seen
+behind the ranks that already started the phase's first op.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+WORLD = "world"
+
+
+class Op(NamedTuple):
+    """One begun span: its name, group label, sequence number on that group, step, member ranks (or None)."""
+
+    name: str
+    group: str
+    seq: int
+    step: int | None
+    ranks: list[int] | None
+
+    def short(self) -> list[Any]:
+        return [self.name, self.group, self.seq, self.step]
+
+
+class Progress:
+    """The progress slot of one rank (thread-safe; ``on_event`` is the only writer of the op state)."""
+
+    def __init__(self, rank: int, *, extra: Callable[[], dict[str, Any]] | None = None) -> None:
+        self.rank = rank
+        self.extra = extra
+        """Called at snapshot time (watchdog thread) for fields read from elsewhere (op counts, store keys)."""
+        self._lock = threading.Lock()
+        self.phase = "init"
+        self.step: int | None = None
+        self.open: list[Op] = []
+        self.last: Op | None = None
+        self.begun: Counter[str] = Counter()
+        self.t_progress = time.monotonic()
+        self.version = 0
+        self.state = "running"
+        self.error: str | None = None
+
+    def on_event(self, event: dict[str, Any]) -> None:
+        """EventLog listener: O(1), no I/O."""
+        kind = event["kind"]
+        if kind != "begin" and kind != "end":
+            return
+        name = event["name"]
+        now = time.monotonic()
+        with self._lock:
+            self.phase = event["phase"]
+            self.step = event.get("step")
+            self.t_progress = now
+            self.version += 1
+            if kind == "end":
+                self._close(name)
+                return
+            group = event.get("group") or WORLD
+            seq = self.begun[group] + 1
+            self.begun[group] = seq
+            op = Op(name, group, seq, self.step, event.get("ranks"))
+            self.last = op
+            if not name.startswith("phase:"):
+                self.open.append(op)
+
+    def _close(self, name: str) -> None:
+        for i in range(len(self.open) - 1, -1, -1):
+            if self.open[i].name == name:
+                del self.open[i:]
+                return
+
+    def set_state(self, state: str, error: str | None = None) -> None:
+        with self._lock:
+            self.state, self.error = state, error
+            self.version += 1
+
+    def idle_s(self) -> float:
+        """Seconds since the last begin/end on this rank."""
+        return time.monotonic() - self.t_progress
+
+    def current(self) -> Op | None:
+        """The innermost open span, else the last one begun (this rank is between ops after it)."""
+        with self._lock:
+            return self.open[-1] if self.open else self.last
+
+    def record(self) -> dict[str, Any]:
+        """A JSON-able snapshot for the store (the watchdog thread calls it at every poll)."""
+        with self._lock:
+            op = self.open[-1] if self.open else None
+            rec: dict[str, Any] = {
+                "rank": self.rank, "state": self.state, "phase": self.phase, "step": self.step,
+                "op": op.short() if op else None, "last": self.last.short() if self.last else None,
+                "ranks": (op or self.last).ranks if (op or self.last) else None,
+                "begun": dict(self.begun), "idle_s": round(time.monotonic() - self.t_progress, 3),
+                "t": time.time(), "error": self.error,
+            }
+        if self.extra is not None:
+            rec.update(self.extra())
+        return rec

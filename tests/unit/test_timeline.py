@@ -1,0 +1,153 @@
+"""The merged trace on event files written here: valid trace-event JSON, spans nest per track, cut spans closed."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lifecycle.errors import UsageError
+from lifecycle.obs import timeline
+from lifecycle.obs.events import EventLog
+from lifecycle.obs.spans import rank_spans
+
+PHASES = ["X", "i", "M", "C"]
+
+
+def _write(run_dir: Path, rank: int, events: list[dict[str, Any]], torn: str = "") -> None:
+    path = run_dir / "events" / f"rank_{rank}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(e) + "\n" for e in events) + torn)
+
+
+def _ev(t: int, kind: str, name: str, rank: int = 0, phase: str = "train", **kw: Any) -> dict[str, Any]:
+    return {"t": t, "rank": rank, "local_rank": rank, "host": "h", "phase": phase, "kind": kind, "name": name, **kw}
+
+
+def _real_run(run_dir: Path, ranks: int = 2) -> None:
+    """Two ranks written through the real EventLog: phases, nested spans, instants, a scalar."""
+    for rank in range(ranks):
+        log = EventLog(run_dir, rank, rank)
+        for phase in ("init", "warmup", "train"):
+            log.phase = phase
+            log.emit("begin", f"phase:{phase}")
+            with log.span("warm:all_reduce" if phase == "warmup" else "step", group="dp"):
+                with log.span("barrier:after_init", group="world"):
+                    pass
+            log.scalar("mem_gib", 1.5)
+            log.emit("end", f"phase:{phase}", dur_us=1)
+        log.instant("exit", exit_code=0)
+        log.close()
+
+
+def check_trace(trace: dict[str, Any]) -> None:
+    """Trace-event format checks, and that complete events nest on every (pid, tid) track."""
+    json.loads(json.dumps(trace))  # plain JSON, nothing that only Python can read
+    assert isinstance(trace["traceEvents"], list) and trace["displayTimeUnit"] == "ms"
+    body = [e for e in trace["traceEvents"] if e["ph"] != "M"]
+    assert min(e["ts"] for e in body) == 0
+    tracks: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    for e in trace["traceEvents"]:
+        assert e["ph"] in PHASES and isinstance(e["name"], str) and isinstance(e["pid"], int), e
+        if e["ph"] != "M":
+            assert isinstance(e["tid"], int) and isinstance(e["ts"], int) and e["ts"] >= 0, e
+        if e["ph"] == "X":
+            assert isinstance(e["dur"], int) and e["dur"] >= 0, e
+            tracks.setdefault((e["pid"], e["tid"]), []).append(e)
+        if e["ph"] == "i":
+            assert e["s"] in ("t", "p", "g")
+    for track, xs in tracks.items():
+        stack: list[int] = []  # end times of the open ancestors
+        for e in sorted(xs, key=lambda x: (x["ts"], -x["dur"])):
+            while stack and stack[-1] <= e["ts"] and not (stack[-1] == e["ts"] and e["dur"] == 0):
+                stack.pop()
+            assert not stack or e["ts"] + e["dur"] <= stack[-1], (track, e, stack)
+            stack.append(e["ts"] + e["dur"])
+
+
+def test_real_event_log_gives_a_valid_nested_trace(tmp_path: Path) -> None:
+    _real_run(tmp_path)
+    trace = timeline.build_trace(timeline.load(tmp_path))
+    check_trace(trace)
+    names = {(e["ph"], e["name"]) for e in trace["traceEvents"]}
+    assert {("X", "phase:init"), ("X", "phase:warmup"), ("X", "phase:train"), ("X", "warm:all_reduce"),
+            ("X", "step"), ("i", "exit"), ("i", "barrier:after_init"), ("C", "mem_gib (rank 1)")} <= names
+    threads = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    assert threads == {0: "rank 0 (local 0)", 1: "rank 1 (local 1)"}
+    cats = {e["name"]: e.get("cat") for e in trace["traceEvents"] if e["ph"] == "X"}
+    assert cats["phase:train"] == "phase" and cats["warm:all_reduce"] == "collective"
+    assert cats["barrier:after_init"] == "barrier" and cats["step"] == "train"
+
+
+def test_spans_cut_by_a_crash_end_at_the_last_event_and_are_marked(tmp_path: Path) -> None:
+    _write(tmp_path, 0, [_ev(100, "begin", "phase:train"), _ev(110, "begin", "step", step=1),
+                         _ev(150, "end", "step", step=1, dur_us=40, loss=0.5), _ev(160, "end", "phase:train"),
+                         _ev(170, "instant", "exit", exit_code=0)])
+    _write(tmp_path, 1, [_ev(105, "begin", "phase:train", rank=1), _ev(112, "begin", "step", rank=1, step=1),
+                         _ev(120, "begin", "save", rank=1), _ev(140, "instant", "fault_drill", rank=1,
+                                                                  action="crash")],
+           torn='{"t": 141, "rank": 1, "kin')
+    trace = timeline.build_trace(timeline.load(tmp_path))
+    check_trace(trace)
+    cut = {e["name"]: e for e in trace["traceEvents"] if e["ph"] == "X" and e["tid"] == 1}
+    assert set(cut) == {"phase:train (cut)", "step (cut)", "save (cut)"}
+    for e in cut.values():  # closed at rank 1's last event (t=140, ts relative to t=100)
+        assert e["ts"] + e["dur"] == 40 and "died" in e["args"]["cut"]
+    whole = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["tid"] == 0]
+    assert all("cut" not in e["args"] for e in whole)
+    assert [e for e in trace["traceEvents"] if e["ph"] == "C"][0]["args"] == {"value": 0.5}
+
+
+def test_end_without_begin_is_rebuilt_from_its_duration() -> None:
+    spans = rank_spans(0, [_ev(500, "end", "commit", dur_us=200), _ev(600, "instant", "exit")])
+    assert [(s.name, s.start_us, s.end_us, s.cut) for s in spans] == [("commit", 300, 500, False)]
+
+
+def test_unfinished_inner_span_is_cut_when_its_parent_ends() -> None:
+    spans = rank_spans(0, [_ev(0, "begin", "phase:train"), _ev(1, "begin", "step"), _ev(9, "end", "phase:train")])
+    by_name = {s.name: s for s in spans}
+    assert by_name["step"].cut and by_name["step"].end_us == 9 and not by_name["phase:train"].cut
+    assert by_name["step"].depth == 1 and by_name["phase:train"].depth == 0
+
+
+def test_hosts_become_processes(tmp_path: Path) -> None:
+    _write(tmp_path, 0, [{**_ev(0, "instant", "exit"), "host": "node-a"}])
+    _write(tmp_path, 1, [{**_ev(5, "instant", "exit", rank=1), "host": "node-b"}])
+    trace = timeline.build_trace(timeline.load(tmp_path))
+    procs = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
+    assert procs == {0: "node-a", 1: "node-b"}
+    assert {(e["pid"], e["tid"]) for e in trace["traceEvents"] if e["ph"] == "i"} == {(0, 0), (1, 1)}
+
+
+def test_not_a_run_directory_is_a_usage_error(tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match="is not a directory"):
+        timeline.load(tmp_path / "missing")
+    with pytest.raises(UsageError, match="no events in .*rank_<R>.jsonl"):
+        timeline.load(tmp_path)
+    _write(tmp_path, 0, [], torn="not json\n")
+    with pytest.raises(UsageError, match="no events"):
+        timeline.main(tmp_path)
+
+
+def test_main_writes_the_trace_gzip_and_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _real_run(tmp_path)
+    assert timeline.main(tmp_path, out=tmp_path / "t.json.gz", no_png=True) == 0
+    check_trace(json.loads(gzip.decompress((tmp_path / "t.json.gz").read_bytes())))
+    assert "ui.perfetto.dev" in capsys.readouterr().out
+    pytest.importorskip("matplotlib")
+    assert timeline.main(tmp_path) == 0
+    assert (tmp_path / "trace.json").is_file()
+    assert (tmp_path / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_without_matplotlib_the_trace_is_still_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    _real_run(tmp_path)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what `import matplotlib` sees when it is not installed
+    assert timeline.main(tmp_path) == 0
+    assert (tmp_path / "trace.json").is_file() and not (tmp_path / "timeline.png").exists()
+    assert "matplotlib is not installed (pip install 'lifecycle[plot]')" in capsys.readouterr().err

@@ -113,7 +113,7 @@ def _diff(args: argparse.Namespace) -> int:
     from lifecycle.policy.diff import diff, render
 
     result = diff(args.a, args.b, args.overrides, config_dir=args.config_dir, config_name=args.config_name)
-    print(json.dumps(result.as_dict(), indent=1) if args.json else render(result, args.a, args.b))
+    print(json.dumps(result.as_dict(), indent=1) if args.json else render(result, args.a, args.b, args.overrides))
     return 1 if result.changes else ExitCode.OK
 
 

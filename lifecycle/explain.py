@@ -1,4 +1,5 @@
-"""`lifecycle explain`: the plan and the group layout of one rank, without torch or megatron."""
+"""`lifecycle explain`: the plan, the group layout of one rank and where each value came from, without torch
+or megatron."""
 
 from __future__ import annotations
 

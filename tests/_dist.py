@@ -74,12 +74,12 @@ class RanksFailed(AssertionError):
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, timeout_s: float, *args: Any,
-              env: dict[str, str] | None = None) -> list[Any]:
+              env: dict[str, str] | None = None, daemon: bool = True) -> list[Any]:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_child, args=(fn, r, world_size, port, env or {}, out, args), daemon=True)
+        ctx.Process(target=_child, args=(fn, r, world_size, port, env or {}, out, args), daemon=daemon)
         for r in range(world_size)
     ]
     for p in procs:

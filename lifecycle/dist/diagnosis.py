@@ -58,10 +58,12 @@ class Diagnosis:
     culprits: list[int] = field(default_factory=list)
     dead: dict[int, str] = field(default_factory=dict)
     records: dict[int, dict[str, Any] | None] = field(default_factory=dict)
+    now: float = 0.0
+    """Wall-clock time of the diagnosis (records carry the writer's wall-clock ``t``)."""
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "cause": self.cause, "detail": self.detail, "origin_rank": self.origin, "phase": self.phase,
+            "t": self.now, "cause": self.cause, "detail": self.detail, "origin_rank": self.origin, "phase": self.phase,
             "culprits": self.culprits, "dead": {str(r): how for r, how in self.dead.items()},
             "waits": {str(r): {**vars(w)} for r, w in self.waits.items()},
             "ranks": {str(r): rec for r, rec in self.records.items()},
@@ -101,9 +103,13 @@ def stale_ranks(records: dict[int, dict[str, Any] | None], now: float, stale_s: 
 
 
 def diagnose(cause: str, detail: str, records: dict[int, dict[str, Any] | None], world: int, *,
-             dead: dict[int, str] | None = None, origin: int | None = None,
-             phase: str | None = None) -> Diagnosis:
-    """Build the verdict from the records of the ranks read (``None``: the rank published nothing)."""
+             dead: dict[int, str] | None = None, origin: int | None = None, phase: str | None = None,
+             hint: list[int] | None = None, now: float = 0.0) -> Diagnosis:
+    """Build the verdict from the records of the ranks read (``None``: the rank published nothing).
+
+    ``hint`` lists ranks an op that timed out on this rank found missing (a store barrier knows who
+    did not arrive even when no span marks it): they are culprits when the records name nobody.
+    """
     dead = dict(dead or {})
     live = {r: rec for r, rec in records.items() if rec is not None and r not in dead}
     waits = {}
@@ -118,10 +124,12 @@ def diagnose(cause: str, detail: str, records: dict[int, dict[str, Any] | None],
     top = max((int(rec.get("sync", 0)) for rec in live.values()), default=0)
     lagging = {r for r, rec in live.items() if int(rec.get("sync", 0)) < top}
     culprits = sorted((named | lagging | set(dead)) - (waiting - set(dead)))
-    return Diagnosis(cause, detail, origin, phase, waits, culprits, dead, dict(records))
+    if not culprits and hint:
+        culprits = sorted(set(hint))
+    return Diagnosis(cause, detail, origin, phase, waits, culprits, dead, dict(records), now)
 
 
-def _where(rec: dict[str, Any] | None) -> str:
+def _where(rec: dict[str, Any] | None, now: float) -> str:
     if rec is None:
         return "never reported (it died or hung before its watchdog started)"
     op = rec.get("op") or rec.get("last")
@@ -133,7 +141,8 @@ def _where(rec: dict[str, Any] | None) -> str:
         text += f", {at} op {op[0]} on group {op[1]} (#{op[2]})"
     if rec.get("state") not in (None, "running"):
         text += f", state {rec['state']}" + (f": {rec['error']}" if rec.get("error") else "")
-    return text + f", last progress {float(rec.get('idle_s', 0.0)):.1f}s before its last heartbeat"
+    idle = float(rec.get("idle_s", 0.0)) + max(now - float(rec.get("t", now)), 0.0)
+    return text + f"; no progress for {idle:.1f}s"
 
 
 def render(d: Diagnosis, rank: int, *, extra: list[str] | None = None) -> str:
@@ -145,7 +154,7 @@ def render(d: Diagnosis, rank: int, *, extra: list[str] | None = None) -> str:
     for r in d.culprits:
         state = f"DEAD ({d.dead[r]})" if r in d.dead else "alive"
         who = "this rank" if r == rank else f"rank {r}"
-        lines.append(f"  stuck: {who} [{state}]: {_where(d.records.get(r))}")
+        lines.append(f"  stuck: {who} [{state}]: {_where(d.records.get(r), d.now)}")
     if not d.culprits:
         lines.append("  no rank is behind by the progress records; positions: " + "; ".join(
             f"rank {r}: {w.op}/{w.group}#{w.seq}" for r, w in sorted(d.waits.items())[:16]))

@@ -10,11 +10,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from lifecycle.obs.spans import Span, phase_of, rank_spans
+from lifecycle.obs.spans import phase_of, rank_spans
 
 COLORS = {"init": "#8da0cb", "warmup": "#fc8d62", "train": "#66c2a5", "checkpoint": "#7b3294",
           "teardown": "#b3b3b3"}
 FAILURE_COLOR = "#d7191c"
+MANY_RANKS = 64  # above this, exits are not marked (a clean exit per row is noise; failures still are)
 # instant name -> (marker, color, legend label); names containing "hang" use the hang entry
 MARKERS = {"failure": ("X", FAILURE_COLOR, "failure"), "fault_drill": ("v", "#ff7f00", "fault drill"),
            "hang": ("D", "#e41a1c", "hang report"), "exit": ("|", "black", "exit")}
@@ -46,37 +47,49 @@ def plot(events: dict[int, list[dict[str, Any]]], path: Path, *, title: str = ""
     fig = Figure(figsize=_size(len(events)), dpi=dpi, layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
-    seen: dict[str, Any] = {}
+    bars: dict[tuple[str, bool], list[tuple[int, float, float]]] = {}
+    points: dict[tuple[str, str, str], list[tuple[float, int]]] = {}
     for rank, evs in sorted(events.items()):
         for span in rank_spans(rank, evs):
             phase = phase_of(span)
             if phase is not None:
-                _bar(ax, span, phase, t0, seen)
+                label = f"{phase} (failure path)" if span.begin.get("failure") else phase
+                bars.setdefault((label, span.cut), []).append(
+                    (rank, (span.start_us - t0) / 1e6, span.dur_us / 1e6))
         for e in evs:
             m = _marker(e["name"]) if e["kind"] == "instant" else None
-            if m is not None:
-                h = ax.scatter([(e["t"] - t0) / 1e6], [rank], marker=m[0], color=m[1], s=60, zorder=3)
-                seen.setdefault(m[2], h)
+            if m is not None and not (m[2] == "exit" and len(events) > MANY_RANKS):
+                points.setdefault(m, []).append(((e["t"] - t0) / 1e6, rank))
+    handles = _draw(ax, bars, points)
     _axes(ax, sorted(events), title)
-    if seen:
-        fig.legend(list(seen.values()), list(seen), loc="outside right upper", fontsize=8, frameon=False)
+    if handles:
+        fig.legend(list(handles.values()), list(handles), loc="outside right upper", fontsize=8, frameon=False)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, format="png", dpi=dpi)
     return path
 
 
-def _bar(ax: Any, span: Span, phase: str, t0: int, seen: dict[str, Any]) -> None:
-    failed = bool(span.begin.get("failure"))
-    color = FAILURE_COLOR if failed else COLORS.get(phase, "#999999")
-    label = f"{phase} (failure path)" if failed else phase
-    bars = ax.barh(span.rank, span.dur_us / 1e6, left=(span.start_us - t0) / 1e6, height=0.6, color=color,
-                   edgecolor="black" if span.cut else "none", hatch="///" if span.cut else None, linewidth=0.6)
-    seen.setdefault(label, bars)
-    if span.cut:
-        from matplotlib.patches import Patch
+def _draw(ax: Any, bars: dict[tuple[str, bool], list[tuple[int, float, float]]],
+          points: dict[tuple[str, str, str], list[tuple[float, int]]]) -> dict[str, Any]:
+    """One barh call per (phase, cut) and one scatter per marker: fast at thousands of ranks."""
+    from matplotlib.patches import Patch
 
-        seen.setdefault("cut (no end: rank died)", Patch(facecolor="white", edgecolor="black", hatch="///"))
+    handles: dict[str, Any] = {}
+    order = {p: i for i, p in enumerate(COLORS)}
+    for (label, cut), rows in sorted(bars.items(), key=lambda kv: (order.get(kv[0][0], 99), kv[0])):
+        phase = label.split(" ", 1)[0]
+        color = FAILURE_COLOR if label.endswith("(failure path)") else COLORS.get(phase, "#999999")
+        ys, lefts, widths = zip(*rows, strict=True)
+        h = ax.barh(ys, widths, left=lefts, height=0.6, color=color, edgecolor="black" if cut else "none",
+                    hatch="///" if cut else None, linewidth=0.6)
+        handles.setdefault(label, h)
+    if any(cut for _, cut in bars):
+        handles["cut (no end: rank died)"] = Patch(facecolor="white", edgecolor="black", hatch="///")
+    for (marker, color, label), xy in points.items():
+        xs, ys = zip(*xy, strict=True)
+        handles[label] = ax.scatter(xs, ys, marker=marker, color=color, s=60, zorder=3)
+    return handles
 
 
 def _axes(ax: Any, ranks: list[int], title: str) -> None:

@@ -111,9 +111,10 @@ def diff(a: str, b: str, common: list[str] | None = None, *, config_dir: str | N
     return Diff(la, lb, diff_values(to_plain(la.policy), to_plain(lb.policy)))
 
 
-def render(d: Diff, a: str, b: str) -> str:
+def render(d: Diff, a: str, b: str, common: list[str] | None = None) -> str:
     """Human text: one ``key.path: old -> new`` line per difference."""
-    lines = [f"--- A: {a or '(default policy)'}", f"+++ B: {b or '(default policy)'}"]
+    both = f"  [both: {' '.join(common)}]" if common else ""
+    lines = [f"--- A: {a or '(default policy)'}{both}", f"+++ B: {b or '(default policy)'}{both}"]
     lines += [f"  {c}" for c in d.changes]
     n = len(d.changes)
     lines.append("no differences" if not n else f"{n} key{'s' if n > 1 else ''} differ")

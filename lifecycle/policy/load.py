@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -60,13 +61,23 @@ def hydra_session(roots: Sequence[ConfigRoot]) -> Iterator[str]:
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    searchpath = "hydra.searchpath=[" + ",".join(f"file://{r.path}" for r in roots[1:]) + "]"
+    searchpath = "hydra.searchpath=[" + ",".join(_quoted(f"file://{r.path}") for r in roots[1:]) + "]"
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(roots[0].path), version_base="1.3"):
             yield searchpath
     finally:
         GlobalHydra.instance().clear()
+
+
+def _quoted(text: str) -> str:
+    """A Hydra quoted string: folders may hold spaces, commas or brackets.
+
+    Hydra's rule: inside quotes only a quote and the backslashes right before a quote (or the closing
+    quote) are escaped; every other backslash is literal.
+    """
+    text = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", text)
+    return "'" + re.sub(r"(\\+)$", lambda m: m.group(1) * 2, text) + "'"
 
 
 def compose(overrides: Sequence[str] = (), *, config_dir: str | Path | None = None,

@@ -26,7 +26,7 @@ MakePack = Callable[..., str]
 @pytest.fixture
 def make_pack(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[MakePack]:
     """Install a pack into a tmp site dir on sys.path; returns its entry-point name."""
-    site = tmp_path / "site"
+    site = tmp_path / "site d'ir, [x]"  # a folder name Hydra's override grammar must see quoted
     site.mkdir()
     monkeypatch.syspath_prepend(str(site))
     modules: list[str] = []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import select
 from collections.abc import Iterator
 
 import pytest
@@ -22,8 +23,12 @@ def tty() -> Iterator[tuple[io.TextIOWrapper, int]]:
     os.close(master)
 
 
-def _read(master: int) -> str:
-    return os.read(master, 1 << 16).decode()
+def _read(master: int, quiet_s: float = 0.3) -> str:
+    """Everything the terminal received: the pty delivers output asynchronously, so read until it is quiet."""
+    data = b""
+    while select.select([master], [], [], quiet_s)[0]:
+        data += os.read(master, 1 << 16)
+    return data.decode()
 
 
 def test_log_gets_about_ten_lines_and_the_last_step() -> None:

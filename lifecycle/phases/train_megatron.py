@@ -23,7 +23,7 @@ class MegatronGPTStep:
         self.dp_rank = 0
 
     def setup(self, ctx: RunContext) -> None:
-        """Collective on the default group (DDP broadcasts parameters over dp and expert-dp)."""
+        """Collective on the default group (the optimizer aligns parameter groups with all_gather_object)."""
         from megatron.core import parallel_state as ps
 
         from lifecycle.backends.megatron.model import ModelSpec, build

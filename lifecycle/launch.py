@@ -121,7 +121,8 @@ class _Job:
         cause = self._monitor(run_dir)
         stop = self.trap.received[0] if cause is None and self.trap.received else None
         if cause is not None:
-            _write_marker(run_dir, f"rank {cause} failed ({_how(self.codes[cause])})")
+            _write_marker(run_dir, f"rank {cause} failed ({_how(self.codes[cause])})", rank=cause,
+                          how=_how(self.codes[cause]), phase=(_last_event(run_dir, cause) or {}).get("phase"))
         if len(self.codes) < len(self.procs):
             self._shutdown(signal.SIGTERM if stop is None else stop, grace_s)
         if cause is not None:
@@ -296,9 +297,10 @@ def _rank_env(rank: int, nproc: int, port: int, run_dir: Path, extra: dict[str, 
     }
 
 
-def _write_marker(run_dir: Path, reason: str) -> None:
+def _write_marker(run_dir: Path, reason: str, **fields: Any) -> None:
+    # rank/how/phase let the ranks' watchdogs name the dead rank in their reports.
     tmp = run_dir / f"{SHUTDOWN_MARKER}.tmp"
-    tmp.write_text(json.dumps({"t": time.time(), "reason": reason}) + "\n")
+    tmp.write_text(json.dumps({"t": time.time(), "reason": reason, **fields}) + "\n")
     tmp.replace(run_dir / SHUTDOWN_MARKER)  # atomic: a rank never reads half a marker
 
 

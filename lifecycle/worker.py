@@ -67,10 +67,33 @@ def run_rank(run_dir: Path, policy: Any = None) -> int:
     rank, world, local_rank = rank_env()
     events = EventLog(run_dir, rank, local_rank)
     ctx = RunContext(policy, run_dir, rank, world, local_rank, events,
-                     Drills(policy.faults, rank, on_fire=lambda f: _drill_fired(events, f)))
+                     Drills(policy.faults, rank, on_fire=lambda f: _drill_fired(events, f),
+                            crash_code=policy.teardown.exit_codes.rank_failed))
     orchestrator = Orchestrator(ctx)
     install_signals(ctx, orchestrator)
-    return orchestrator.run()
+    start_watchdog(ctx)
+    try:
+        return orchestrator.run()
+    finally:
+        if ctx.watchdog is not None:
+            ctx.watchdog.stop()
+
+
+def start_watchdog(ctx: Any) -> None:
+    """The watchdog thread (``watchdog.enabled``) and the collective-sequence check (``sequence_check``).
+
+    Both before the first phase: the watchdog must see init (communicator bootstrap can hang too).
+    """
+    from lifecycle.dist.progress import KeyCounter
+    from lifecycle.dist.seqcheck import SequenceCheck
+    from lifecycle.dist.watchdog import Watchdog
+
+    cfg = ctx.policy.watchdog
+    ctx._seq = KeyCounter()  # the same numbering as before, but readable: the watchdog publishes it
+    if cfg.sequence_check:
+        ctx.phase_hooks.append(SequenceCheck())
+    if cfg.enabled:
+        ctx.watchdog = Watchdog(ctx).start()
 
 
 def _drill_fired(events: Any, drill: Any) -> None:

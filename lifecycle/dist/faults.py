@@ -2,7 +2,7 @@
 
 The orchestrator calls :meth:`Drills.fire` at every phase entry, before every op it issues and at
 every train step. A matching drill acts on this rank only: ``stall`` sleeps forever, ``crash`` leaves
-through ``os._exit`` (no teardown, like a segfault), ``raise`` raises :class:`DrillError`, ``signal``
+through ``os._exit`` (no teardown, like a segfault; the worker passes ``exit_codes.rank_failed`` as the code), ``raise`` raises :class:`DrillError`, ``signal``
 sends SIGTERM to this process, ``skip`` makes the caller skip the op (a collective-sequence mismatch).
 Each drill fires once and is logged loudly.
 """
@@ -29,8 +29,10 @@ class DrillError(PhaseError):
 class Drills:
     """The policy's drills for one rank."""
 
-    def __init__(self, faults: list[Any], rank: int, *, on_fire: Callable[[Any], None] | None = None) -> None:
+    def __init__(self, faults: list[Any], rank: int, *, on_fire: Callable[[Any], None] | None = None,
+                 crash_code: int = CRASH_EXIT_CODE) -> None:
         self.rank = rank
+        self.crash_code = crash_code
         self.pending = [f for f in faults if rank in f.ranks]
         self.on_fire = on_fire
         if self.pending:
@@ -66,7 +68,7 @@ class Drills:
             while True:
                 time.sleep(3600)
         if f.action == "crash":
-            os._exit(CRASH_EXIT_CODE)
+            os._exit(self.crash_code)
         if f.action == "raise":
             raise DrillError(f"fault drill: raise on rank {self.rank} at {where}", phase=phase, rank=self.rank,
                              group=group)

@@ -106,13 +106,30 @@ class Progress:
         """A JSON-able snapshot for the store (the watchdog thread calls it at every poll)."""
         with self._lock:
             op = self.open[-1] if self.open else None
+            shown = op or self.last
             rec: dict[str, Any] = {
                 "rank": self.rank, "state": self.state, "phase": self.phase, "step": self.step,
                 "op": op.short() if op else None, "last": self.last.short() if self.last else None,
-                "ranks": (op or self.last).ranks if (op or self.last) else None,
+                "ranks": shown.ranks if shown is not None else None,
                 "begun": dict(self.begun), "idle_s": round(time.monotonic() - self.t_progress, 3),
                 "t": time.time(), "error": self.error,
             }
         if self.extra is not None:
             rec.update(self.extra())
         return rec
+
+
+class KeyCounter:
+    """``RunContext._seq``: numbers store keys like ``itertools.count()`` and lets the watchdog read how many
+    were taken (``value``): ranks take keys in plan order, so a rank with fewer is behind the others."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def __iter__(self) -> KeyCounter:
+        return self
+
+    def __next__(self) -> int:
+        taken = self.value
+        self.value = taken + 1
+        return taken

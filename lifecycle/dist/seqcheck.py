@@ -25,7 +25,7 @@ import logging
 import time
 from typing import Any
 
-from lifecycle.dist.members import members_of
+from lifecycle.dist.members import EVERY_RANK, members_of
 from lifecycle.errors import HangError, PhaseError
 
 log = logging.getLogger(__name__)
@@ -161,7 +161,8 @@ def probe(ctx: Any, phase: str) -> str | None:
             continue
         name, label, seq, _ = rec["op"]
         done = int(begun.get(label, 0))
-        if ctx.rank in (rec.get("ranks") or []) and seq > done:
+        members = rec.get("ranks") or (list(range(ctx.world_size)) if label in EVERY_RANK else [])
+        if ctx.rank in members and seq > done:
             return (f"collective sequence mismatch on group {label}: rank {m} is blocked in its op #{seq} on "
                     f"{label} ({name}) but rank {ctx.rank} finished phase {phase} after {done} op(s) on {label}: "
                     f"ranks {sorted({m, ctx.rank})} disagree (one skipped or added a collective)")

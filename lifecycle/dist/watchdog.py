@@ -27,7 +27,6 @@ itself hit a timeout or a broken connection, and so peers learn about this rank'
 
 from __future__ import annotations
 
-import faulthandler
 import json
 import logging
 import os
@@ -42,7 +41,6 @@ from lifecycle.dist.sidechannel import SideChannel, connect
 from lifecycle.errors import HangError, LifecycleError
 
 log = logging.getLogger(__name__)
-REPORT_NAME = "hang_report.json"
 SHUTDOWN_MARKER = ".shutdown"  # written by lifecycle.launch before it SIGTERMs the ranks
 FULL_VIEW_MAX = 1024  # above this world size a rank reads only the records it needs for its own line
 _PEER_SIGNS = ("Connection closed by peer", "Connection reset", "Broken pipe", "communicator was aborted")
@@ -238,7 +236,8 @@ class Watchdog:
             return list(range(self.world))
         op = self.progress.current()
         mine = (op.ranks or []) if op else []
-        return sorted(set(mine[:256]) | set(cause.dead) | {0, self.rank} | ({cause.origin} - {None}))
+        named = {cause.origin} if cause.origin is not None else set()
+        return sorted(set(mine[:256]) | set(cause.dead) | {0, self.rank} | named)
 
     # ---- the failure path (training thread) ---------------------------------------------------
     def on_failure(self, exc: BaseException) -> BaseException:
@@ -283,6 +282,11 @@ class Watchdog:
             if cause is not None or time.monotonic() > deadline:
                 return cause
             time.sleep(0.02)
+
+    def peer_records(self, ranks: list[int]) -> dict[int, dict[str, Any] | None]:
+        """The last published records of ``ranks`` (training thread; empty without a side channel)."""
+        with self._main_lock:
+            return self._safe(lambda c: c.records(ranks), self._main) or {}
 
     # ---- group members of the op in the record (watchdog thread) ------------------------------
     def _extra(self) -> dict[str, Any]:

@@ -18,7 +18,8 @@ FAILURE_COLOR = "#d7191c"
 MANY_RANKS = 64  # above this, exits are not marked (a clean exit per row is noise; failures still are)
 # instant name -> (marker, color, legend label); names containing "hang" use the hang entry
 MARKERS = {"failure": ("X", FAILURE_COLOR, "failure"), "fault_drill": ("v", "#ff7f00", "fault drill"),
-           "hang": ("D", "#e41a1c", "hang report"), "exit": ("|", "black", "exit")}
+           "hang": ("D", "#e41a1c", "hang report"), "exit": ("|", "black", "exit"),
+           "teardown_deadline": ("P", FAILURE_COLOR, "teardown deadline")}
 
 
 def available() -> bool:

@@ -95,5 +95,8 @@ def render(s: dict[str, Any]) -> str:
         lines.append(f"zero-token events: {sum(zt.values())} on ranks {rank_ranges(zt)}")
     lines += _failures(s)
     if s.get("hang_reports"):
-        lines.append(f"hangs    {len(s['hang_reports'])} hang report(s); see summary.json and the timeline")
+        h = s["hang_reports"][0]
+        culprits = f" culprits {rank_ranges(h['culprits'])}" if h.get("culprits") else ""
+        lines.append(f"hang     reported by {len(s['hang_reports'])} rank(s): {h.get('cause')}{culprits}"
+                     + (f"; see {s['hang_report_file']}" if s.get("hang_report_file") else ""))
     return "\n".join(lines + _exits(s))

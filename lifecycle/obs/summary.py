@@ -16,6 +16,8 @@ from lifecycle.obs.events import read_events
 from lifecycle.obs.spans import Span, phase_of, rank_spans, valid_events
 
 PHASES = ("init", "warmup", "train", "checkpoint", "teardown")
+HANG_FILE = "hang_report.json"  # written by the watchdog (lifecycle.dist.report) on the lowest live rank
+HANG_KEYS = ("cause", "detail", "origin", "culprits", "dead", "group", "report")
 
 
 def stats(values: dict[int, float]) -> dict[str, Any]:
@@ -158,7 +160,8 @@ def build(run_dir: Path, launch: Any | None = None) -> dict[str, Any]:
         "exit_status_per_rank": status,
         "failures": _instants(events, lambda n: n == "failure", ("error", "message", "exit_code")),
         "fault_drills": _instants(events, lambda n: n == "fault_drill", ("action", "at", "drill_step")),
-        "hang_reports": _instants(events, lambda n: "hang" in n, ("group", "missing", "deadline_s", "message")),
+        "hang_reports": _instants(events, lambda n: "hang" in n, HANG_KEYS),
+        "hang_report_file": str(Path(run_dir) / HANG_FILE) if (Path(run_dir) / HANG_FILE).is_file() else None,
         "resumed_from": exit0.get("resumed_from"),
         "stop_step": exit0.get("stop_step"),
     }

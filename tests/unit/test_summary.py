@@ -72,3 +72,15 @@ def test_uncommitted_save_is_reported(tmp_path: Path) -> None:
 def test_rank_ranges() -> None:
     assert rank_ranges([3, 0, 1, 2, 6, 8, "9"]) == "0-3,6,8-9"
     assert rank_ranges([]) == ""
+
+
+def test_hang_reports_are_listed_with_the_report_file(tmp_path: Path) -> None:
+    _write(tmp_path, 0, [_ev(0, "begin", "phase:train"),
+                         _ev(9, "instant", "hang_report", cause="collective mismatch", culprits=[2, 3], dead=[],
+                             report=str(tmp_path / "hang_report.json")),
+                         _ev(10, "end", "phase:train"), _ev(11, "instant", "exit", exit_code=3)])
+    (tmp_path / "hang_report.json").write_text("{}")
+    s = summary.build(tmp_path)
+    assert s["hang_reports"][0]["cause"] == "collective mismatch" and s["hang_reports"][0]["culprits"] == [2, 3]
+    assert s["hang_report_file"] == str(tmp_path / "hang_report.json")
+    assert "hang     reported by 1 rank(s): collective mismatch culprits 2-3; see " in summary.render(s)

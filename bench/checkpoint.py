@@ -77,8 +77,8 @@ def _rank(rank: int, world: int, root: str, reps: int) -> dict[str, list[float]]
     for i in range(reps):
         raw_dir = base / f"raw_{i}"
         raw_dir.mkdir(parents=True, exist_ok=True)
-        out["raw"].append(_timed(lambda: dist_checkpointing.save(checkpoint.sharded_state(handler.state),
-                                                                 str(raw_dir))))
+        out["raw"].append(_timed(lambda d=raw_dir: dist_checkpointing.save(  # type: ignore[misc]
+            checkpoint.sharded_state(handler.state), str(d))))
         sync_ctx.step = async_ctx.step = i + 1  # type: ignore[attr-defined]
         out["policy"].append(_timed(lambda: phase.save(sync_ctx, "bench")))  # type: ignore[arg-type]
         out["async_blocking"].append(_timed(lambda: phase.save(async_ctx, "bench")))  # type: ignore[arg-type]

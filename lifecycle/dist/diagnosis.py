@@ -58,6 +58,8 @@ class Diagnosis:
     culprits: list[int] = field(default_factory=list)
     dead: dict[int, str] = field(default_factory=dict)
     records: dict[int, dict[str, Any] | None] = field(default_factory=dict)
+    lagging: dict[int, int] = field(default_factory=dict)
+    """Ranks behind on the store sync points (checkpoint and barrier keys): rank -> points passed."""
     now: float = 0.0
     """Wall-clock time of the diagnosis (records carry the writer's wall-clock ``t``)."""
 
@@ -122,11 +124,11 @@ def diagnose(cause: str, detail: str, records: dict[int, dict[str, Any] | None],
     waiting = {r for r, w in waits.items() if w.missing}
     named = set().union(*(set(w.missing) for w in waits.values())) if waits else set()
     top = max((int(rec.get("sync", 0)) for rec in live.values()), default=0)
-    lagging = {r for r, rec in live.items() if int(rec.get("sync", 0)) < top}
-    culprits = sorted((named | lagging | set(dead)) - (waiting - set(dead)))
+    lagging = {r: int(rec.get("sync", 0)) for r, rec in live.items() if int(rec.get("sync", 0)) < top}
+    culprits = sorted((named | set(lagging) | set(dead)) - (waiting - set(dead)))
     if not culprits and hint:
         culprits = sorted(set(hint))
-    return Diagnosis(cause, detail, origin, phase, waits, culprits, dead, dict(records), now)
+    return Diagnosis(cause, detail, origin, phase, waits, culprits, dead, dict(records), lagging, now)
 
 
 def _where(rec: dict[str, Any] | None, now: float) -> str:
@@ -151,10 +153,15 @@ def render(d: Diagnosis, rank: int, *, extra: list[str] | None = None) -> str:
     mine = d.waits.get(rank)
     if mine is not None:
         lines.append(f"  rank {rank} {mine.describe()}")
+    top = max((int((rec or {}).get("sync", 0)) for rec in d.records.values()), default=0)
     for r in d.culprits:
-        state = f"DEAD ({d.dead[r]})" if r in d.dead else "alive"
+        rec = d.records.get(r)
+        state = f"DEAD ({d.dead[r]})" if r in d.dead else "alive" if (rec or {}).get("state", "running") == \
+            "running" else str((rec or {})["state"])
         who = "this rank" if r == rank else f"rank {r}"
-        lines.append(f"  stuck: {who} [{state}]: {_where(d.records.get(r), d.now)}")
+        behind = (f"; it passed {d.lagging[r]} store sync points (barriers, checkpoint keys), the others {top}"
+                  if r in d.lagging else "")
+        lines.append(f"  stuck: {who} [{state}]: {_where(rec, d.now)}{behind}")
     if not d.culprits:
         lines.append("  no rank is behind by the progress records; positions: " + "; ".join(
             f"rank {r}: {w.op}/{w.group}#{w.seq}" for r, w in sorted(d.waits.items())[:16]))

@@ -53,6 +53,7 @@ class Progress:
         self.step: int | None = None
         self.open: list[Op] = []
         self.last: Op | None = None
+        self.broken: Op | None = None
         self.begun: Counter[str] = Counter()
         self.t_progress = time.monotonic()
         self.version = 0
@@ -67,12 +68,16 @@ class Progress:
         name = event["name"]
         now = time.monotonic()
         with self._lock:
+            if self.state != "running":
+                return  # keep the position where this rank failed (its teardown is not progress)
             self.phase = event["phase"]
             self.step = event.get("step")
             self.t_progress = now
             self.version += 1
             if kind == "end":
-                self._close(name)
+                closed = self._close(name)
+                if closed is not None and event.get("outcome", "ok") != "ok":
+                    self.broken = closed  # an op left by an exception is where this rank was stuck
                 return
             group = event.get("group") or WORLD
             seq = self.begun[group] + 1
@@ -82,11 +87,13 @@ class Progress:
             if not name.startswith("phase:"):
                 self.open.append(op)
 
-    def _close(self, name: str) -> None:
+    def _close(self, name: str) -> Op | None:
         for i in range(len(self.open) - 1, -1, -1):
             if self.open[i].name == name:
+                op = self.open[i]
                 del self.open[i:]
-                return
+                return op
+        return None
 
     def set_state(self, state: str, error: str | None = None) -> None:
         with self._lock:
@@ -97,15 +104,18 @@ class Progress:
         """Seconds since the last begin/end on this rank."""
         return time.monotonic() - self.t_progress
 
+    def _op(self) -> Op | None:
+        return self.open[-1] if self.open else self.broken
+
     def current(self) -> Op | None:
-        """The innermost open span, else the last one begun (this rank is between ops after it)."""
+        """The innermost open span (or the one an exception left), else the last one begun."""
         with self._lock:
-            return self.open[-1] if self.open else self.last
+            return self._op() or self.last
 
     def record(self) -> dict[str, Any]:
         """A JSON-able snapshot for the store (the watchdog thread calls it at every poll)."""
         with self._lock:
-            op = self.open[-1] if self.open else None
+            op = self._op()
             shown = op or self.last
             rec: dict[str, Any] = {
                 "rank": self.rank, "state": self.state, "phase": self.phase, "step": self.step,

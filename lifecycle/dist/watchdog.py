@@ -138,7 +138,7 @@ class Watchdog:
         if idle < limit:
             return None
         op = self.progress.current()
-        where = f" (in {op.name} on group {op.group})" if op and op in self.progress.open else ""
+        where = f" (at {op.name} on group {op.group}, op #{op.seq} there)" if op else ""
         return Cause("hang", f"rank {self.rank} made no progress for {idle:.1f}s{where}; the {phase} "
                      f"deadline is {limit:g}s", self.rank, phase)
 
@@ -195,6 +195,8 @@ class Watchdog:
         if self.failing:
             return  # the failure path is running; teardown's hard deadline bounds it
         codes = self.ctx.policy.teardown.exit_codes
+        self.progress.set_state("aborted", f"watchdog: {cause.kind}")
+        self._safe(lambda c: c.publish(self.rank, self.progress.record()), ch)
         abort_and_exit(self.ctx, codes.hang if cause.urgent else codes.rank_failed)
 
     def _alarm_info(self, cause: Cause) -> dict[str, Any]:
@@ -203,14 +205,14 @@ class Watchdog:
 
     def report(self, cause: Cause, ch: SideChannel | None) -> diagnosis.Diagnosis | None:
         """Build, print and record the report; None if this rank already reported."""
+        from lifecycle.dist.report import publish
+
+        # Held while publishing: the other thread must not close the event log under a report.
         with self._report_lock:
             if self.reported is not None:
                 return None
-            d = self._diagnose(cause, ch)
-            self.reported = d
-        from lifecycle.dist.report import publish
-
-        publish(self.ctx, d, dump_stacks=cause.kind in ("hang", "dead"))
+            d = self.reported = self._diagnose(cause, ch)
+            publish(self.ctx, d, dump_stacks=cause.kind in ("hang", "dead"))
         return d
 
     def _diagnose(self, cause: Cause, ch: SideChannel | None) -> diagnosis.Diagnosis:
@@ -223,8 +225,9 @@ class Watchdog:
         records[self.rank] = self.progress.record()
         dead = dict(cause.dead)
         marker = self._marker()
-        if marker is not None:
-            dead.update(marker.dead)
+        if marker is not None:  # a rank that left through its own failure path or watchdog is not "dead"
+            dead.update({r: how for r, how in marker.dead.items()
+                         if (records.get(r) or {}).get("state", "running") == "running"})
         now = time.time()
         dead.update({r: how for r, how in diagnosis.stale_ranks(records, now, self.cfg.heartbeat_stale_s).items()
                      if r not in dead})

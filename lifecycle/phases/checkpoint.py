@@ -94,11 +94,14 @@ def save(ctx: RunContext, reason: str) -> None:
         shutil.rmtree(tmp, ignore_errors=True)  # a torn save from an earlier, crashed run
     # Nobody writes into tmp/ before rank 0 has cleared it.
     store_barrier(ctx.store, key, ctx.rank, _all_ranks(ctx), deadline, phase="checkpoint", group="store")
-    with ctx.events.span("save", step=ctx.step, reason=reason, path=str(final)):
-        handle = ctx.step_handler.begin_save(ctx, tmp)
-    ctx.pending_save = PendingSave(handle, ctx.step, tmp, final, reason)
-    if not ctx.policy.checkpoint.async_:
-        finish_pending(ctx)
+    from lifecycle.obs import progress
+
+    with progress.activity(ctx.rank, f"checkpoint step {ctx.step} ({reason})"):
+        with ctx.events.span("save", step=ctx.step, reason=reason, path=str(final)):
+            handle = ctx.step_handler.begin_save(ctx, tmp)
+        ctx.pending_save = PendingSave(handle, ctx.step, tmp, final, reason)
+        if not ctx.policy.checkpoint.async_:
+            finish_pending(ctx)
 
 
 def finish_pending(ctx: RunContext) -> None:

@@ -81,7 +81,7 @@ class InitPhase:
         import torch
         import torch.distributed as dist
 
-        from lifecycle.dist.collectives import _wait
+        from lifecycle.dist.collectives import wait_works
         from lifecycle.policy.load import sha256
 
         digest = sha256(ctx.policy)
@@ -90,7 +90,7 @@ class InitPhase:
         ctx.drills.fire("init", op="check_policy_hash", group="world")
         with ctx.events.span("check_policy_hash", group="world"):
             work = dist.all_gather(out, mine, async_op=True)
-            _wait([work], "all_gather", "world", list(range(ctx.world_size)), ctx.deadline("init"),
+            wait_works([work], "all_gather", "world", list(range(ctx.world_size)), ctx.deadline("init"),
                   time.monotonic())
         ctx.op_counts["world"] += 1
         digests = [bytes(t.tolist()).hex() for t in out]

@@ -4,6 +4,7 @@ happen at step boundaries, in the same order on every rank."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -19,13 +20,11 @@ def agree_stop(ctx: RunContext) -> bool:
     import torch
     import torch.distributed as dist
 
-    from lifecycle.dist.collectives import _wait
+    from lifecycle.dist.collectives import wait_works
 
     flag = torch.tensor([1 if ctx.stop.preempt_signal else 0], dtype=torch.int32)
     work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True)
-    import time
-
-    _wait([work], "all_reduce(stop flag)", "world", list(range(ctx.world_size)), ctx.deadline("train"),
+    wait_works([work], "all_reduce(stop flag)", "world", list(range(ctx.world_size)), ctx.deadline("train"),
           time.monotonic())
     ctx.op_counts["world"] += 1
     return bool(flag.item())
@@ -36,6 +35,7 @@ class TrainPhase:
 
     def __init__(self, checkpoint: Callable[[RunContext, str], None]) -> None:
         self.checkpoint = checkpoint
+        self.saved_at: int | None = None
 
     def run(self, ctx: RunContext) -> None:
         policy = ctx.policy
@@ -57,35 +57,44 @@ class TrainPhase:
         resume(ctx)
 
     def _loop(self, ctx: RunContext) -> None:
-        policy = ctx.policy
-        ck, every = policy.checkpoint, policy.barriers.every_n_steps
-        saved_at = ctx.step if ctx.resumed_from is not None else None
-        for step in range(ctx.step + 1, policy.train.steps + 1):
-            ctx.events.step = step
-            ctx.drills.fire("train", step=step)
-            with ctx.events.span("step") as extra:
-                metrics: dict[str, Any] = ctx.step_handler.step(ctx, step)
-                extra.update(metrics)
-            ctx.step = step
-            ctx.metrics.setdefault("loss", []).append(metrics.get("loss"))
-            if ctx.pending_save is not None:  # an async save overlapped this step: commit it now
-                from lifecycle.phases.checkpoint import finish_pending
+        from lifecycle.obs import progress
 
-                finish_pending(ctx)
-            if every is not None and step % every.n == 0:
-                run_point(ctx, f"every_{every.n}_steps", every, ctx.deadline("train"))
-            if ck.every_steps and step % ck.every_steps == 0:
-                self.checkpoint(ctx, "periodic")
-                saved_at = step
-            if ck.on_signal and agree_stop(ctx):
-                ctx.stop.stop_step = step
-                if saved_at != step:
-                    self.checkpoint(ctx, "preemption")
-                    saved_at = step
-                log.warning("preempted at step %d, saved", step)
-                if ctx.rank == 0:
-                    print(f"preempted at step {step}, saved", flush=True)
-                return
+        policy = ctx.policy
+        self.saved_at = ctx.step if ctx.resumed_from is not None else None
+        with progress.for_rank(ctx.rank, "train", policy.train.steps, start=ctx.step) as bar:
+            for step in range(ctx.step + 1, policy.train.steps + 1):
+                ctx.events.step = step
+                ctx.drills.fire("train", step=step)
+                with ctx.events.span("step") as extra:
+                    metrics: dict[str, Any] = ctx.step_handler.step(ctx, step)
+                    extra.update(metrics)
+                ctx.step = step
+                bar.update(step, loss=metrics.get("loss"))
+                if self._boundary(ctx, step):
+                    return
         ctx.events.step = None
-        if ck.at_end and saved_at != ctx.step:
+        if policy.checkpoint.at_end and self.saved_at != ctx.step:
             self.checkpoint(ctx, "end")
+
+    def _boundary(self, ctx: RunContext, step: int) -> bool:
+        """Everything that happens between two steps, in the same order on every rank. True: stop now."""
+        ck, every = ctx.policy.checkpoint, ctx.policy.barriers.every_n_steps
+        if ctx.pending_save is not None:  # an async save overlapped this step: commit it now
+            from lifecycle.phases.checkpoint import finish_pending
+
+            finish_pending(ctx)
+        if every is not None and step % every.n == 0:
+            run_point(ctx, f"every_{every.n}_steps", every, ctx.deadline("train"))
+        if ck.every_steps and step % ck.every_steps == 0:
+            self.checkpoint(ctx, "periodic")
+            self.saved_at = step
+        if not (ck.on_signal and agree_stop(ctx)):
+            return False
+        ctx.stop.stop_step = step
+        if self.saved_at != step:
+            self.checkpoint(ctx, "preemption")
+            self.saved_at = step
+        log.warning("preempted at step %d, saved", step)
+        if ctx.rank == 0:
+            print(f"preempted at step {step}, saved", flush=True)
+        return True

@@ -115,7 +115,7 @@ class SyntheticStep:
         return x, x[:, :1] * 0.5 - x[:, 1:2] * 0.25
 
     def step(self, ctx: RunContext, step: int) -> dict[str, float]:
-        from lifecycle.dist.collectives import _wait
+        from lifecycle.dist.collectives import wait_works
 
         assert self.model is not None
         x, y = self._batch(ctx, step)
@@ -126,7 +126,7 @@ class SyntheticStep:
         flat = torch.cat([p.grad.reshape(-1) for p in params if p.grad is not None] + [loss.detach().reshape(1)])
         if self.group is not None and len(self.ranks) > 1:
             work = dist.all_reduce(flat, group=self.group, async_op=True)
-            _wait([work], "all_reduce(grads)", "dp", self.ranks, ctx.deadline("train"), time.monotonic())
+            wait_works([work], "all_reduce(grads)", "dp", self.ranks, ctx.deadline("train"), time.monotonic())
             ctx.op_counts["dp"] += 1
             flat /= len(self.ranks)
         offset = 0

@@ -151,3 +151,16 @@ def test_without_matplotlib_the_trace_is_still_written(tmp_path: Path, monkeypat
     assert timeline.main(tmp_path) == 0
     assert (tmp_path / "trace.json").is_file() and not (tmp_path / "timeline.png").exists()
     assert "matplotlib is not installed (pip install 'lifecycle[plot]')" in capsys.readouterr().err
+
+
+def test_gantt_draws_cut_phases_failure_paths_and_markers(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from lifecycle.obs import gantt
+
+    _write(tmp_path, 0, [_ev(0, "begin", "phase:train"), _ev(5, "instant", "hang_report", cause="late rank"),
+                         _ev(6, "instant", "failure", error="HangError"), _ev(7, "end", "phase:train"),
+                         _ev(7, "begin", "phase:teardown", phase="teardown", failure=True),
+                         _ev(9, "end", "phase:teardown", phase="teardown"), _ev(9, "instant", "exit")])
+    _write(tmp_path, 1, [_ev(1, "begin", "phase:train", rank=1), _ev(4, "instant", "fault_drill", rank=1)])
+    out = gantt.plot(timeline.load(tmp_path), tmp_path / "g.png", title="t")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size < 200_000

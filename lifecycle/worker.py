@@ -39,7 +39,9 @@ def install_signals(ctx: Any, orchestrator: Any) -> None:
         name = signal.Signals(signum).name
         if (ctx.run_dir / SHUTDOWN_MARKER).exists():
             ctx.stop.shutdown = True
-            if orchestrator.current != "teardown":
+            # Raise only where the orchestrator turns it into the failure path: not before the run started,
+            # not while a failure is already being handled (the watchdog acts on the marker there).
+            if orchestrator.current not in (None, "teardown") and orchestrator.error is None:
                 raise Shutdown(f"{name} from the launcher: another rank failed")
             return
         if orchestrator.current == "teardown":
@@ -84,8 +86,8 @@ def start_watchdog(ctx: Any) -> None:
 
     Both before the first phase: the watchdog must see init (communicator bootstrap can hang too).
     """
-    from lifecycle.dist.progress import KeyCounter
     from lifecycle.dist.seqcheck import SequenceCheck
+    from lifecycle.dist.tracker import KeyCounter
     from lifecycle.dist.watchdog import Watchdog
 
     cfg = ctx.policy.watchdog

@@ -1,6 +1,6 @@
 """Who is stuck, from the progress records every rank publishes on the store (pure Python, no torch).
 
-A record (see :class:`lifecycle.dist.progress.Progress.record`) says where a rank is: its phase and
+A record (see :class:`lifecycle.dist.tracker.ProgressTracker.record`) says where a rank is: its phase and
 step, its open op (or the last one it began) with the op's group label, the op's sequence number on
 that group (``seq``) and the group's member ranks, how many ops it has begun per group (``begun``),
 how many store sync points it has passed (``sync``), its state and when it last published (``t``).
@@ -125,10 +125,41 @@ def diagnose(cause: str, detail: str, records: dict[int, dict[str, Any] | None],
     named = set().union(*(set(w.missing) for w in waits.values())) if waits else set()
     top = max((int(rec.get("sync", 0)) for rec in live.values()), default=0)
     lagging = {r: int(rec.get("sync", 0)) for r, rec in live.items() if int(rec.get("sync", 0)) < top}
-    culprits = sorted((named | set(lagging) | set(dead)) - (waiting - set(dead)))
+    # A rank that failed, died or diverged is the root cause; where the others wait is context.
+    known = set(dead) | (set(hint or []) if cause == "sequence" else set())
+    if cause == "failed" and origin is not None:
+        known.add(origin)
+    if cause != "hang" and known:
+        culprits = sorted(known)
+    else:
+        culprits = sorted((named | set(lagging) | set(dead)) - (waiting - set(dead)))
     if not culprits and hint:
         culprits = sorted(set(hint))
     return Diagnosis(cause, detail, origin, phase, waits, culprits, dead, dict(records), lagging, now)
+
+
+def crossed(rank: int, op: Any, begun: dict[str, int], peers: dict[int, dict[str, Any] | None],
+            world: int) -> tuple[str, list[int]] | None:
+    """A peer and ``rank`` each blocked in an op the other has not begun (a divergence), or None.
+
+    ``op`` is the op ``rank`` is blocked in (name, group, seq, ranks); ``begun`` its per-group counts;
+    ``peers`` the records of the members of ``op``'s group. With the same program on every rank this
+    cannot happen, even with records a poll old: each side's record proves the other one is stuck.
+    """
+    for m, rec in sorted(peers.items()):
+        if rec is None or rec.get("state") != "running" or not rec.get("op"):
+            continue
+        if int(rec.get("begun", {}).get(op.group, 0)) >= op.seq:
+            continue  # m has reached my op: it is not what I wait for
+        name, group, seq, _ = rec["op"]
+        theirs = rec.get("ranks") or (list(range(world)) if group in ALL_RANKS else [])
+        if rank in theirs and int(begun.get(group, 0)) < seq:
+            low, high = sorted((rank, m))
+            return (f"ranks {low} and {high} wait for each other: rank {rank} is in {op.name} on group {op.group} "
+                    f"(op #{op.seq} there), which rank {m} has not begun; rank {m} is in {name} on group {group} "
+                    f"(op #{seq} there), which rank {rank} has not begun. Their collective sequences diverge: "
+                    f"one of them skipped or added a collective", sorted({rank, m}))
+    return None
 
 
 def _where(rec: dict[str, Any] | None, now: float) -> str:
@@ -142,7 +173,8 @@ def _where(rec: dict[str, Any] | None, now: float) -> str:
     if op:
         text += f", {at} op {op[0]} on group {op[1]} (#{op[2]})"
     if rec.get("state") not in (None, "running"):
-        text += f", state {rec['state']}" + (f": {rec['error']}" if rec.get("error") else "")
+        error = str(rec.get("error") or "")
+        text += f", state {rec['state']}" + (f": {error[:160]}" + ("..." if len(error) > 160 else "") if error else "")
     idle = float(rec.get("idle_s", 0.0)) + max(now - float(rec.get("t", now)), 0.0)
     return text + f"; no progress for {idle:.1f}s"
 

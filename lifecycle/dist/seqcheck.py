@@ -23,6 +23,7 @@ import hashlib
 import json
 import logging
 import time
+from collections import Counter
 from typing import Any
 
 from lifecycle.dist.members import EVERY_RANK, members_of
@@ -34,7 +35,14 @@ _PROBE_AFTER_S = 0.3
 
 
 class SequenceMismatch(PhaseError):
-    """Ranks of one group issued different numbers of collectives on it (or one is blocked in an extra one)."""
+    """Ranks of one group issued different numbers of collectives on it (or one is blocked in an extra one).
+
+    ``ranks`` lists the global ranks whose counts disagree.
+    """
+
+    def __init__(self, message: str, *, ranks: list[int] | None = None, **where: object) -> None:
+        super().__init__(message, **where)  # type: ignore[arg-type]
+        self.ranks = sorted(set(ranks or []))
 
 
 class SequenceCheck:
@@ -84,8 +92,9 @@ def check(ctx: Any, base: str, counts: dict[str, list[int]], phase: str) -> None
         verdict = _await(ctx, base, phase)
     _leave(store, base, world)
     if verdict != "ok":
-        raise SequenceMismatch(describe(json.loads(verdict), phase), phase=phase, rank=rank,
-                               group=json.loads(verdict)[0]["group"])
+        found = json.loads(verdict)
+        raise SequenceMismatch(describe(found, phase), phase=phase, rank=rank, group=found[0]["group"],
+                               ranks=disagreeing(found))
 
 
 def judge(store: Any, base: str, world: int) -> str:
@@ -114,6 +123,17 @@ def compare(per_rank: dict[int, dict[str, list[int]]]) -> list[dict[str, Any]]:
     return out
 
 
+def disagreeing(mismatches: list[dict[str, Any]]) -> list[int]:
+    """Ranks whose count differs from the one most common count of their group (all of them on a tie)."""
+    out: set[int] = set()
+    for m in mismatches:
+        counts = {int(r): n for r, n in m["counts"].items()}
+        tally = Counter(counts.values()).most_common()
+        unique = len(tally) == 1 or tally[0][1] > tally[1][1]
+        out.update(r for r, n in counts.items() if not unique or n != tally[0][0])
+    return sorted(out)
+
+
 def describe(mismatches: list[dict[str, Any]], phase: str) -> str:
     parts = []
     for m in mismatches[:8]:
@@ -138,14 +158,14 @@ def _await(ctx: Any, base: str, phase: str) -> str:
         if now >= probe_at:
             blocked = probe(ctx, phase)
             if blocked:
-                raise SequenceMismatch(blocked, phase=phase, rank=ctx.rank)
+                raise SequenceMismatch(blocked[0], phase=phase, rank=ctx.rank, group=blocked[1], ranks=blocked[2])
             probe_at = now + 0.5
         time.sleep(delay)
         delay = min(delay * 2, 0.1)
     return bytes(store.get(f"{base}/verdict")).decode()
 
 
-def probe(ctx: Any, phase: str) -> str | None:
+def probe(ctx: Any, phase: str) -> tuple[str, str, list[int]] | None:
     """A member of one of this rank's small groups blocked in an op this rank will not issue in ``phase``."""
     wd = ctx.watchdog
     if wd is None:
@@ -163,9 +183,10 @@ def probe(ctx: Any, phase: str) -> str | None:
         done = int(begun.get(label, 0))
         members = rec.get("ranks") or (list(range(ctx.world_size)) if label in EVERY_RANK else [])
         if ctx.rank in members and seq > done:
+            pair = sorted({m, ctx.rank})
             return (f"collective sequence mismatch on group {label}: rank {m} is blocked in its op #{seq} on "
                     f"{label} ({name}) but rank {ctx.rank} finished phase {phase} after {done} op(s) on {label}: "
-                    f"ranks {sorted({m, ctx.rank})} disagree (one skipped or added a collective)")
+                    f"ranks {pair} disagree (one skipped or added a collective)", label, pair)
     return None
 
 

@@ -2,7 +2,7 @@
 
 It never uses a process group (a hung communicator cannot report on itself): progress goes through
 the side channel (:mod:`lifecycle.dist.sidechannel`, its own TCPStore clients). The training thread
-only updates a local slot (:class:`~lifecycle.dist.progress.Progress`, fed by the EventLog); the
+only updates a local slot (:class:`~lifecycle.dist.tracker.ProgressTracker`, fed by the EventLog); the
 watchdog thread publishes it every ``poll_interval_s`` with a heartbeat: O(1) store calls per rank
 per poll, none per step on the training thread.
 
@@ -12,14 +12,18 @@ What it reacts to, at every poll:
    (``step`` in train: one step; ``warmup``: one op...). It wakes up exactly at the deadline;
 2. the **alarm** key: another rank detected a hang, failed or saw a peer die;
 3. the local launcher's **shutdown marker** (``run_dir/.shutdown``): a rank ended, the job is stopping;
-4. a watched peer's **heartbeat** stopped for ``heartbeat_stale_s`` (ring neighbour and rank 0).
+4. a watched peer's **heartbeat** stopped for ``heartbeat_stale_s`` (ring neighbour and rank 0);
+5. while this rank sits in one op: a member of that op's group blocked in an op this rank has not
+   begun, while this rank's op is one that member has not begun: a collective-sequence divergence
+   (a skipped or extra collective), named at once instead of at the deadline.
 
 Then: one report on every rank (stderr, ``[rank N]``), ``hang_report.json`` from the lowest live rank,
 all Python thread stacks into the rank log (faulthandler), a ``hang_report`` event, and the policy's
-action. ``abort`` aborts the process groups and exits: with ``exit_codes.hang`` for a hang at once,
-with ``exit_codes.rank_failed`` when a peer failed or died, after a short grace so that the failed rank
-leaves first (the launcher then names it as the first failure). ``report`` only reports. In teardown
-the hard deadline (``teardown.deadline_s``) owns the exit, so the watchdog only reports there.
+action. ``abort`` aborts the process groups and exits at once with ``exit_codes.hang`` for a hang
+(``rank_failed`` for a divergence); when a peer failed or died it exits with ``exit_codes.rank_failed``
+after a short grace, so that the failed rank leaves first (the launcher then names it as the first
+failure) and the training thread may still leave through the failure path. ``report`` only reports. A
+hang in teardown is only reported: the hard deadline (``teardown.deadline_s``) owns that exit.
 
 The failure path calls :meth:`Watchdog.on_failure` so the same report appears when the training thread
 itself hit a timeout or a broken connection, and so peers learn about this rank's failure at once.
@@ -27,38 +31,23 @@ itself hit a timeout or a broken connection, and so peers learn about this rank'
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
 import threading
 import time
-from typing import Any, NamedTuple
+from typing import Any
 
-from lifecycle.dist import diagnosis
-from lifecycle.dist.progress import Progress
+from lifecycle.dist import causes, diagnosis
+from lifecycle.dist.causes import Cause
+from lifecycle.dist.members import members_of
+from lifecycle.dist.report import publish
 from lifecycle.dist.sidechannel import SideChannel, connect
-from lifecycle.errors import HangError, LifecycleError
+from lifecycle.dist.tracker import ProgressTracker
+from lifecycle.errors import HangError
 
 log = logging.getLogger(__name__)
-SHUTDOWN_MARKER = ".shutdown"  # written by lifecycle.launch before it SIGTERMs the ranks
 FULL_VIEW_MAX = 1024  # above this world size a rank reads only the records it needs for its own line
-_PEER_SIGNS = ("Connection closed by peer", "Connection reset", "Broken pipe", "communicator was aborted")
-
-
-class Cause(NamedTuple):
-    """Why a report is due: kind (hang|dead|failed|sequence), one line, the rank it started on."""
-
-    kind: str
-    detail: str
-    origin: int | None
-    phase: str | None
-    dead: dict[int, str] = {}
-    hint: list[int] = []
-
-    @property
-    def urgent(self) -> bool:
-        return self.kind == "hang"
 
 
 class Watchdog:
@@ -67,7 +56,7 @@ class Watchdog:
     def __init__(self, ctx: Any) -> None:
         self.ctx, self.cfg = ctx, ctx.policy.watchdog
         self.rank, self.world = ctx.rank, ctx.world_size
-        self.progress = Progress(ctx.rank, extra=self._extra)
+        self.progress = ProgressTracker(ctx.rank, extra=self._extra, members=lambda label: members_of(ctx, label))
         self.failing = False
         self.reported: diagnosis.Diagnosis | None = None
         self.grace_s = max(1.0, 2 * self.cfg.poll_interval_s)
@@ -76,12 +65,16 @@ class Watchdog:
         self._main_lock = threading.Lock()
         self._channel: SideChannel | None = None
         self._main: SideChannel | None = None
-        self._beats: dict[int, tuple[int, float]] = {}
-        self._members: dict[str, list[int] | None] = {}
+        self._beats = causes.Heartbeats(self.rank, self.world, self.cfg.heartbeat_stale_s)
+        self._next_probe = 0.0
         self._thread = threading.Thread(target=self._run, name="lifecycle-watchdog", daemon=True)
 
     # ---- life cycle -------------------------------------------------------------------------
     def start(self) -> Watchdog:
+        # Import torch.distributed here, on the training thread: two threads importing torch modules at
+        # once can deadlock or abort (pybind "type already defined"); the watchdog thread imports nothing.
+        import torch.distributed  # noqa: F401
+
         self.ctx.events.listeners.append(self.progress.on_event)
         self._thread.start()
         return self
@@ -110,6 +103,9 @@ class Watchdog:
         self._safe(lambda ch: ch.publish(self.rank, self.progress.record()), self._channel)
 
     def _sleep_s(self) -> float:
+        """Until the next poll, or exactly until this rank's deadline passes if that comes first."""
+        if self.reported is not None or self.failing:
+            return self.cfg.poll_interval_s  # only heartbeats from now on
         left = self.ctx.deadline(self.progress.phase) - self.progress.idle_s()
         return max(min(self.cfg.poll_interval_s, left), 0.01)
 
@@ -118,9 +114,20 @@ class Watchdog:
         self._safe(lambda c: (c.publish(self.rank, self.progress.record()), c.beat(self.rank)), ch)
         if self.failing or self.reported is not None:
             return
-        cause = self._deadline() or self._safe(self._alarm, ch) or self._marker() or self._safe(self._peers, ch)
+        cause = (causes.deadline_passed(self.progress, self.ctx.deadline(self.progress.phase), self.rank)
+                 or self._safe(lambda c: causes.from_alarm(c, self.rank), ch)
+                 or causes.from_marker(self.ctx.run_dir) or self._safe(self._beats.check, ch)
+                 or self._safe(self._crossed, ch))
         if cause is not None:
             self.fire(cause, ch)
+
+    def _crossed(self, ch: SideChannel) -> Cause | None:
+        # Only while this rank sits in one op for two polls, then every four: O(1) store calls otherwise.
+        poll = self.cfg.poll_interval_s
+        if self.progress.idle_s() < 2 * poll or time.monotonic() < self._next_probe:
+            return None
+        self._next_probe = time.monotonic() + 4 * poll
+        return causes.crossed_wait(self.progress, ch, self.rank, self.world)
 
     def _safe(self, fn: Any, ch: SideChannel | None) -> Any:
         if ch is None:
@@ -128,68 +135,18 @@ class Watchdog:
         try:
             return fn(ch)
         except Exception as exc:  # noqa: BLE001 - a dead store must not kill the watchdog
-            log.debug("watchdog store call failed: %s", exc)
+            log.debug("watchdog store call failed: %r", exc)
             return None
-
-    # ---- what triggers a report ---------------------------------------------------------------
-    def _deadline(self) -> Cause | None:
-        phase, idle = self.progress.phase, self.progress.idle_s()
-        limit = self.ctx.deadline(phase)
-        if idle < limit:
-            return None
-        op = self.progress.current()
-        where = f" (at {op.name} on group {op.group}, op #{op.seq} there)" if op else ""
-        return Cause("hang", f"rank {self.rank} made no progress for {idle:.1f}s{where}; the {phase} "
-                     f"deadline is {limit:g}s", self.rank, phase)
-
-    def _alarm(self, ch: SideChannel) -> Cause | None:
-        info = ch.alarm()
-        if info is None or info.get("rank") == self.rank:
-            return None
-        dead = {int(r): how for r, how in (info.get("dead") or {}).items()}
-        return Cause(info["cause"], info["detail"], info.get("rank"), info.get("phase"), dead)
-
-    def _marker(self) -> Cause | None:
-        path = self.ctx.run_dir / SHUTDOWN_MARKER
-        if not path.exists():
-            return None
-        try:
-            info = json.loads(path.read_text())
-        except (OSError, ValueError):
-            info = {}
-        rank, how = info.get("rank"), info.get("how") or "ended"
-        if rank is None:
-            return Cause("dead", f"the launcher is stopping the job: {info.get('reason', '?')}", None, None)
-        return Cause("dead", f"rank {rank} ended ({how}); the launcher is stopping the job", int(rank),
-                     info.get("phase"), {int(rank): how})
-
-    def _peers(self, ch: SideChannel) -> Cause | None:
-        now = time.monotonic()
-        for peer in {(self.rank + 1) % self.world, 0} - {self.rank}:
-            count = ch.beats(peer)
-            seen = self._beats.get(peer)
-            if count == 0 or seen is None or seen[0] != count:
-                self._beats[peer] = (count, now)
-                continue
-            if now - seen[1] > self.cfg.heartbeat_stale_s:
-                rec = ch.record(peer)
-                if rec is not None and rec.get("state") != "running":
-                    self._beats[peer] = (count, float("inf"))  # it left (exited or failed): not dead
-                    continue
-                how = f"no heartbeat for {now - seen[1]:.1f}s"
-                return Cause("dead", f"rank {peer} stopped sending heartbeats ({how}): dead or stopped", peer,
-                             (rec or {}).get("phase"), {peer: how})
-        return None
 
     # ---- report and act -----------------------------------------------------------------------
     def fire(self, cause: Cause, ch: SideChannel | None) -> None:
         """Report ``cause`` (once per rank) and run the policy action (watchdog thread)."""
         if cause.origin == self.rank:
-            self._safe(lambda c: c.raise_alarm(self._alarm_info(cause)), ch)
+            self._safe(lambda c: c.raise_alarm(cause.alarm(self.rank)), ch)
         if self.report(cause, ch) is None or self.cfg.action != "abort":
             return
-        if self.progress.phase == "teardown":
-            return  # the hard deadline owns the exit in teardown
+        if cause.kind == "hang" and self.progress.phase == "teardown":
+            return  # a hang in teardown: its hard deadline (teardown.deadline_s) owns the exit
         if not cause.urgent and self._stop.wait(self.grace_s):
             return  # the run ended by itself during the grace
         if self.failing:
@@ -197,16 +154,10 @@ class Watchdog:
         codes = self.ctx.policy.teardown.exit_codes
         self.progress.set_state("aborted", f"watchdog: {cause.kind}")
         self._safe(lambda c: c.publish(self.rank, self.progress.record()), ch)
-        abort_and_exit(self.ctx, codes.hang if cause.urgent else codes.rank_failed)
-
-    def _alarm_info(self, cause: Cause) -> dict[str, Any]:
-        return {"rank": self.rank, "cause": cause.kind, "detail": cause.detail, "phase": cause.phase,
-                "dead": {str(r): how for r, how in cause.dead.items()}, "t": time.time()}
+        abort_and_exit(self.ctx, codes.hang if cause.kind == "hang" else codes.rank_failed)
 
     def report(self, cause: Cause, ch: SideChannel | None) -> diagnosis.Diagnosis | None:
         """Build, print and record the report; None if this rank already reported."""
-        from lifecycle.dist.report import publish
-
         # Held while publishing: the other thread must not close the event log under a report.
         with self._report_lock:
             if self.reported is not None:
@@ -217,6 +168,9 @@ class Watchdog:
 
     def _diagnose(self, cause: Cause, ch: SideChannel | None) -> diagnosis.Diagnosis:
         records: dict[int, dict[str, Any] | None] = {}
+        if not cause.urgent:
+            # Peers that still move publish once per poll: give them one to show where the failure found them.
+            time.sleep(min(self.cfg.poll_interval_s, 0.5))
         if ch is not None:
             try:
                 records = ch.records(self._ranks_to_read(cause))
@@ -224,7 +178,7 @@ class Watchdog:
                 log.warning("watchdog: cannot read peer records: %s", exc)
         records[self.rank] = self.progress.record()
         dead = dict(cause.dead)
-        marker = self._marker()
+        marker = causes.from_marker(self.ctx.run_dir)
         if marker is not None:  # a rank that left through its own failure path or watchdog is not "dead"
             dead.update({r: how for r, how in marker.dead.items()
                          if (records.get(r) or {}).get("state", "running") == "running"})
@@ -256,7 +210,7 @@ class Watchdog:
             return exc
 
     def _on_failure(self, exc: BaseException) -> BaseException:
-        kind = classify(exc)
+        kind = causes.classify(exc)
         text = f"{type(exc).__name__}: {exc}"[:600]
         phase = self.progress.phase
         self.progress.set_state("failed", text)
@@ -266,11 +220,11 @@ class Watchdog:
             if kind in ("peer", "shutdown"):
                 cause = self._origin(ch) or Cause("dead", text, None, phase)
             else:
-                hint = list(getattr(exc, "missing", []) or [])
+                hint = list(getattr(exc, "ranks", None) or getattr(exc, "missing", None) or [])
                 detail = {"failed": f"rank {self.rank} raised {text}", "sequence": str(exc)}.get(
                     kind, f"rank {self.rank}: {text}")
                 cause = Cause(kind, detail, self.rank, phase, {}, hint)
-                self._safe(lambda c: c.raise_alarm(self._alarm_info(cause)), ch)
+                self._safe(lambda c: c.raise_alarm(cause.alarm(self.rank)), ch)
             d = self.report(cause, ch) or self.reported
         if kind == "hang" and not isinstance(exc, HangError) and d is not None:
             return HangError(f"{exc} [watchdog: stuck ranks {d.culprits}]", missing=d.culprits, phase=phase,
@@ -281,7 +235,7 @@ class Watchdog:
         """Who failed first (the alarm or the launcher's marker), waiting up to the grace for the news."""
         deadline = time.monotonic() + self.grace_s
         while True:
-            cause = self._safe(self._alarm, ch) or self._marker()
+            cause = self._safe(lambda c: causes.from_alarm(c, self.rank), ch) or causes.from_marker(self.ctx.run_dir)
             if cause is not None or time.monotonic() > deadline:
                 return cause
             time.sleep(0.02)
@@ -291,39 +245,9 @@ class Watchdog:
         with self._main_lock:
             return self._safe(lambda c: c.records(ranks), self._main) or {}
 
-    # ---- group members of the op in the record (watchdog thread) ------------------------------
+    # ---- fields the record takes from the run context (watchdog thread) -----------------------
     def _extra(self) -> dict[str, Any]:
-        extra: dict[str, Any] = {"ops": dict(self.ctx.op_counts), "sync": getattr(self.ctx._seq, "value", 0)}
-        op = self.progress.current()
-        if op is not None and op.ranks is None and op.group not in diagnosis.ALL_RANKS:
-            extra["ranks"] = self._members_of(op.group)
-        return extra
-
-    def _members_of(self, label: str) -> list[int] | None:
-        if label not in self._members:
-            from lifecycle.dist.members import members_of
-
-            self._members[label] = members_of(self.ctx, label)
-        return self._members[label]
-
-
-def classify(exc: BaseException) -> str:
-    """hang | peer (a peer's connection broke) | shutdown (the launcher stops the job) | sequence | failed."""
-    from lifecycle.dist.seqcheck import SequenceMismatch
-
-    if isinstance(exc, HangError):
-        return "hang"
-    if isinstance(exc, SequenceMismatch):
-        return "sequence"
-    if type(exc).__name__ == "Shutdown":
-        return "shutdown"
-    text = f"{exc} {exc.__cause__ or ''}"
-    if any(sign in text for sign in _PEER_SIGNS):
-        return "peer"
-    if not isinstance(exc, LifecycleError) and ("timed out" in text.lower() or type(exc).__name__ ==
-                                                 "DistStoreError"):
-        return "hang"
-    return "failed"
+        return {"ops": dict(self.ctx.op_counts), "sync": getattr(self.ctx._seq, "value", 0)}
 
 
 def abort_and_exit(ctx: Any, code: int) -> None:

@@ -102,9 +102,9 @@ class Orchestrator:
 
     def _fail(self, exc: BaseException, *, in_teardown: bool = False) -> int:
         ctx = self.ctx
-        if ctx.watchdog is not None:  # tells peers at once, reports who is stuck, may name a torch timeout a hang
-            exc = ctx.watchdog.on_failure(exc)
         self.error = exc
+        if ctx.watchdog is not None:  # tells peers at once, reports who is stuck, may name a torch timeout a hang
+            exc = self.error = ctx.watchdog.on_failure(exc)
         code = self.exit_code(exc)
         log.error("%s failed on rank %d in phase %s: %s", type(exc).__name__, ctx.rank, self.current, exc)
         ctx.events.instant("failure", error=type(exc).__name__, message=str(exc)[:2000], exit_code=code)

@@ -1,8 +1,8 @@
 """This rank's progress as the watchdog sees it: a local slot fed by the EventLog, read by the watchdog thread.
 
-The EventLog calls :meth:`Progress.on_event` for every event it records, on the thread that emits it
+The EventLog calls :meth:`ProgressTracker.on_event` for every event it records, on the thread that emits it
 (the training thread). The work there is O(1) and touches no store and no file: a lock, a counter and a
-tuple. The watchdog thread takes a :meth:`Progress.record` snapshot at every poll and publishes it.
+tuple. The watchdog thread takes a :meth:`ProgressTracker.record` snapshot at every poll and publishes it.
 
 What is tracked (all from ``begin``/``end`` span events):
 
@@ -41,13 +41,19 @@ class Op(NamedTuple):
         return [self.name, self.group, self.seq, self.step]
 
 
-class Progress:
+class ProgressTracker:
     """The progress slot of one rank (thread-safe; ``on_event`` is the only writer of the op state)."""
 
-    def __init__(self, rank: int, *, extra: Callable[[], dict[str, Any]] | None = None) -> None:
+    def __init__(self, rank: int, *, extra: Callable[[], dict[str, Any]] | None = None,
+                 members: Callable[[str], list[int] | None] | None = None) -> None:
         self.rank = rank
         self.extra = extra
         """Called at snapshot time (watchdog thread) for fields read from elsewhere (op counts, store keys)."""
+        self.members = members
+        """Member ranks of a group label, for spans whose event has no ``ranks``; called once per label,
+        on the thread that emits the span (never on the watchdog thread: it must not import or call
+        into torch/megatron while the training thread may be importing them)."""
+        self._members: dict[str, list[int] | None] = {WORLD: None, "store": None}
         self._lock = threading.Lock()
         self.phase = "init"
         self.step: int | None = None
@@ -56,7 +62,6 @@ class Progress:
         self.broken: Op | None = None
         self.begun: Counter[str] = Counter()
         self.t_progress = time.monotonic()
-        self.version = 0
         self.state = "running"
         self.error: str | None = None
 
@@ -73,19 +78,27 @@ class Progress:
             self.phase = event["phase"]
             self.step = event.get("step")
             self.t_progress = now
-            self.version += 1
             if kind == "end":
                 closed = self._close(name)
                 if closed is not None and event.get("outcome", "ok") != "ok":
                     self.broken = closed  # an op left by an exception is where this rank was stuck
                 return
+            self.broken = None
             group = event.get("group") or WORLD
             seq = self.begun[group] + 1
             self.begun[group] = seq
-            op = Op(name, group, seq, self.step, event.get("ranks"))
+            op = Op(name, group, seq, self.step, event.get("ranks") or self._ranks(group))
             self.last = op
             if not name.startswith("phase:"):
                 self.open.append(op)
+
+    def _ranks(self, group: str) -> list[int] | None:
+        if group not in self._members:
+            try:
+                self._members[group] = self.members(group) if self.members is not None else None
+            except Exception:  # noqa: BLE001 - a listener must never break the training thread
+                self._members[group] = None
+        return self._members[group]
 
     def _close(self, name: str) -> Op | None:
         for i in range(len(self.open) - 1, -1, -1):
@@ -98,7 +111,6 @@ class Progress:
     def set_state(self, state: str, error: str | None = None) -> None:
         with self._lock:
             self.state, self.error = state, error
-            self.version += 1
 
     def idle_s(self) -> float:
         """Seconds since the last begin/end on this rank."""
@@ -106,6 +118,11 @@ class Progress:
 
     def _op(self) -> Op | None:
         return self.open[-1] if self.open else self.broken
+
+    def waiting_in(self) -> Op | None:
+        """The innermost open span (None between ops or after a failure)."""
+        with self._lock:
+            return self.open[-1] if self.open and self.state == "running" else None
 
     def current(self) -> Op | None:
         """The innermost open span (or the one an exception left), else the last one begun."""

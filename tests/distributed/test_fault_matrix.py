@@ -1,0 +1,141 @@
+"""The fault-drill matrix on 4 real gloo ranks: {init, warmup, train, checkpoint, teardown} x {stall, crash,
+raise, signal}, plus a rank that skips a collective.
+
+One model-free layout (tp2, the synthetic train kind) keeps every run at a few seconds. For each cell:
+the job's exit code (3 stall, 4 crash/raise, 0 SIGTERM = graceful preemption), every rank leaving on
+its own within the deadline plus a few seconds, the watchdog report on the surviving ranks naming the
+phase, group, op and the stuck or dead rank, no rank process left behind, and the last committed
+checkpoint still loading.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.distributed.runs import SYNTHETIC, Run, lifecycle_run
+
+pytestmark = pytest.mark.distributed
+DEADLINE = 4.0  # warmup, step, checkpoint and teardown deadlines of the matrix
+INIT_STALL_DEADLINE = 10.0  # must also cover the start-up skew of 4 ranks on a loaded machine
+SLACK = 6.0  # detection, report, abort and exit, on 2 shared cores
+BASE = [*SYNTHETIC, "parallelism.tp=2", "train.steps=4", "checkpoint.every_steps=2",
+        "watchdog.deadlines.init=60", f"watchdog.deadlines.warmup={DEADLINE}", f"watchdog.deadlines.step={DEADLINE}",
+        f"watchdog.deadlines.checkpoint={DEADLINE}", f"watchdog.deadlines.teardown={DEADLINE}",
+        "teardown.deadline_s=5", "watchdog.poll_interval_s=0.25"]
+# Where each phase's drill fires: a point every rank reaches with all its peers up and connected.
+WHERE = {"init": "op: initialize_model_parallel", "warmup": "op: all_reduce, group: tp", "train": "step: 3",
+         "checkpoint": "step: 4, op: save", "teardown": "op: barrier"}
+CODE = {"stall": 3, "crash": 4, "raise": 4, "signal": 0}
+# The step `latest` points at afterwards (None: no checkpoint yet). A SIGTERM is a preemption: save and stop.
+LATEST = {"init": None, "warmup": None, "train": 2, "checkpoint": 2, "teardown": 4}
+LATEST_SIGNAL = {"init": None, "warmup": None, "train": 3, "checkpoint": 4, "teardown": 4}
+
+
+def _drill(phase: str, fault: str, rank: int) -> list[str]:
+    where = "" if (phase, fault) == ("init", "stall") else f", {WHERE[phase]}"  # stall before the rendezvous
+    extra = [f"watchdog.deadlines.init={INIT_STALL_DEADLINE}"] if (phase, fault) == ("init", "stall") else []
+    return [*extra, f"+faults=[{{at: {phase}, ranks: [{rank}], action: {fault}{where}}}]"]
+
+
+def _report_block(run: Run, rank: int) -> str:
+    lines = run.log(rank).splitlines()
+    start = next((i for i, line in enumerate(lines) if "lifecycle watchdog:" in line), None)
+    assert start is not None, f"no watchdog report on rank {rank}:\n{run.log(rank)[-3000:]}"
+    return "\n".join(line for line in lines[start:] if line.startswith(f"[rank {rank}] "))
+
+
+def _assert_reports(run: Run, phase: str, culprit: int) -> None:
+    for rank in sorted(set(range(4)) - {culprit}):
+        block = _report_block(run, rank)
+        assert f" in phase {phase}" in block.splitlines()[0], block
+        assert re.search(rf"stuck: rank {culprit} \[", block), block
+        assert re.search(r"rank \d (waits in|is past) \S+ on group \S+ \(op #\d+", block), block
+    report = json.loads((run.run_dir / "hang_report.json").read_text())
+    assert culprit in report["culprits"], report["culprits"]
+    assert report["reporter"] == (1 if culprit == 0 and report["dead"] else 0), report["reporter"]
+
+
+def _assert_exits(run: Run, phase: str, fault: str, culprit: int) -> None:
+    """Every rank left by itself, soon after the drill fired (a crashed rank has no exit event)."""
+    status = run.summary()["exit_status_per_rank"]
+    events = run.events()
+    fired = next(e["t"] for e in events[culprit] if e["name"] == "fault_drill") / 1e6
+    deadline = (INIT_STALL_DEADLINE if phase == "init" else DEADLINE) if fault == "stall" else 0.0
+    for rank, evs in events.items():
+        if fault == "crash" and rank == culprit:
+            continue
+        assert "killed" not in status[str(rank)]["how"], status
+        last = max(e["t"] for e in evs if e["name"] in ("exit", "teardown_deadline")) / 1e6
+        if fault != "signal":
+            assert last - fired < deadline + SLACK, (rank, last - fired)
+
+
+def _assert_no_rank_left(run: Run) -> None:
+    import psutil
+
+    left = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if str(run.run_dir) in " ".join(p.info["cmdline"] or []):
+                left.append(p.info["pid"])
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    assert not left, f"rank processes left behind: {left}"
+
+
+def _assert_checkpoint(run: Run, step: int | None) -> None:
+    import torch
+
+    root = run.run_dir / "checkpoints"
+    if step is None:
+        assert not (root / "latest").exists()
+        return
+    latest = root / (root / "latest").read_text().strip()
+    assert latest.name == f"iter_{step:07d}", latest
+    assert (latest / "metadata.json").is_file()
+    for rank in range(4):
+        state: dict[str, Any] = torch.load(latest / f"rank_{rank}.pt", weights_only=True)
+        assert state["step"] == step and state["model"]
+
+
+CELLS = [(phase, fault) for phase in WHERE for fault in CODE]
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("phase,fault", CELLS, ids=[f"{p}-{f}" for p, f in CELLS])
+def test_fault_drill(tmp_path: Path, phase: str, fault: str) -> None:
+    culprit = 0 if (phase, fault) == ("train", "crash") else 1  # rank 0 dies once: rank 1 reports then
+    run = lifecycle_run(tmp_path, 4, *BASE, *_drill(phase, fault, culprit), timeout=80)
+    assert run.code == CODE[fault], run.output
+    _assert_no_rank_left(run)
+    _assert_exits(run, phase, fault, culprit)
+    if fault == "signal":
+        assert not (run.run_dir / "hang_report.json").exists()
+        _assert_checkpoint(run, LATEST_SIGNAL[phase])
+        return
+    _assert_reports(run, phase, culprit)
+    _assert_checkpoint(run, LATEST[phase])
+
+
+@pytest.mark.timeout(90)
+def test_skipped_collective_is_reported_before_any_timeout(tmp_path: Path) -> None:
+    deadline = 30
+    run = lifecycle_run(tmp_path, 4, *BASE, f"watchdog.deadlines.warmup={deadline}",
+                        "+faults=[{at: warmup, ranks: [1], action: skip, op: all_reduce, group: tp}]", timeout=80)
+    assert run.code == 4, run.output
+    _assert_no_rank_left(run)
+    events = run.events()
+    fired = next(e["t"] for e in events[1] if e["name"] == "fault_drill") / 1e6
+    for rank in range(4):
+        block = _report_block(run, rank)
+        assert "COLLECTIVE SEQUENCE MISMATCH in phase warmup" in block, block
+        assert "on group tp" in block and "ranks 0 and 1 wait for each other" in block, block
+        last = max(e["t"] for e in events[rank] if e["name"] == "exit") / 1e6
+        assert last - fired < deadline / 2, (rank, last - fired)
+    for rank in range(4):  # no timeout fired anywhere: the divergence was named first
+        assert "HangError" not in run.log(rank) and "did not complete within" not in run.log(rank)

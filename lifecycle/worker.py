@@ -87,11 +87,9 @@ def start_watchdog(ctx: Any) -> None:
     Both before the first phase: the watchdog must see init (communicator bootstrap can hang too).
     """
     from lifecycle.dist.seqcheck import SequenceCheck
-    from lifecycle.dist.tracker import KeyCounter
     from lifecycle.dist.watchdog import Watchdog
 
     cfg = ctx.policy.watchdog
-    ctx._seq = KeyCounter()  # the same numbering as before, but readable: the watchdog publishes it
     if cfg.sequence_check:
         ctx.phase_hooks.append(SequenceCheck())
     if cfg.enabled:

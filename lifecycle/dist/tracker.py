@@ -144,19 +144,3 @@ class ProgressTracker:
         if self.extra is not None:
             rec.update(self.extra())
         return rec
-
-
-class KeyCounter:
-    """``RunContext._seq``: numbers store keys like ``itertools.count()`` and lets the watchdog read how many
-    were taken (``value``): ranks take keys in plan order, so a rank with fewer is behind the others."""
-
-    def __init__(self) -> None:
-        self.value = 0
-
-    def __iter__(self) -> KeyCounter:
-        return self
-
-    def __next__(self) -> int:
-        taken = self.value
-        self.value = taken + 1
-        return taken

@@ -247,7 +247,7 @@ class Watchdog:
 
     # ---- fields the record takes from the run context (watchdog thread) -----------------------
     def _extra(self) -> dict[str, Any]:
-        return {"ops": dict(self.ctx.op_counts), "sync": getattr(self.ctx._seq, "value", 0)}
+        return {"ops": dict(self.ctx.op_counts), "sync": self.ctx.keys_taken}
 
 
 def abort_and_exit(ctx: Any, code: int) -> None:

@@ -6,7 +6,6 @@ Phase handlers are registered by phase name; the built-ins live next to this fil
 
 from __future__ import annotations
 
-import itertools
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,11 +57,14 @@ class RunContext:
     phase_hooks: list[Any] = field(default_factory=list)
     """Callables ``hook(ctx, old_phase, new_phase, failure)`` run at every transition (all ranks, same order)."""
     watchdog: Any = None
-    _seq: Any = field(default_factory=itertools.count)
+    keys_taken: int = 0
+    """Store keys taken so far: ranks take them in plan order, so a rank with fewer is behind (the watchdog
+    publishes it)."""
 
     def next_key(self, name: str) -> str:
         """A store key unique per call and identical on every rank (calls happen in plan order)."""
-        return f"lifecycle/{name}/{next(self._seq)}"
+        self.keys_taken += 1
+        return f"lifecycle/{name}/{self.keys_taken - 1}"
 
     def deadline(self, phase: str) -> float:
         return self.policy.deadline(phase)

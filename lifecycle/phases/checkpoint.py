@@ -93,7 +93,8 @@ def save(ctx: RunContext, reason: str) -> None:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # a torn save from an earlier, crashed run
     # Nobody writes into tmp/ before rank 0 has cleared it.
-    store_barrier(ctx.store, key, ctx.rank, _all_ranks(ctx), deadline, phase="checkpoint", group="store")
+    with ctx.events.span("barrier:ckpt_prepare", group="world", via="store"):
+        store_barrier(ctx.store, key, ctx.rank, _all_ranks(ctx), deadline, phase="checkpoint", group="world")
     from lifecycle.obs import progress
 
     with progress.activity(ctx.rank, f"checkpoint step {ctx.step} ({reason})"):
@@ -119,8 +120,9 @@ def finish_pending(ctx: RunContext) -> None:
         if ctx.rank == 0:
             _commit(ctx, pending)
         # Every rank learns that the commit happened (or names rank 0 if it did not).
-        store_barrier(ctx.store, f"{key}/committed", ctx.rank, _all_ranks(ctx), deadline, phase="checkpoint",
-                      group="store")
+        with ctx.events.span("barrier:ckpt_committed", group="world", via="store"):
+            store_barrier(ctx.store, f"{key}/committed", ctx.rank, _all_ranks(ctx), deadline,
+                          phase="checkpoint", group="world")
         extra["write_s"] = getattr(pending.handle, "write_s", None)
     ctx.saved.append(str(pending.final))
     run_points(ctx, "after_checkpoint", deadline)

@@ -48,7 +48,8 @@ def run_point(ctx: RunContext, point: str, barrier: Any, default_timeout: float)
     pg, ranks = found
     if ctx.drills.fire(phase, step=ctx.step or None, op="barrier", group=barrier.group):
         return
-    with ctx.events.span(f"barrier:{point}", group=barrier.group, via=barrier.via, size=len(ranks)):
+    with ctx.events.span(f"barrier:{point}", group=barrier.group, via=barrier.via, size=len(ranks),
+                         ranks=ranks if len(ranks) <= 256 else None):
         if barrier.via == "store":
             store_barrier(ctx.store, f"{key}/{min(ranks)}", ctx.rank, ranks, timeout, phase=phase,
                           group=barrier.group)

@@ -17,7 +17,7 @@ from lifecycle.dist import causes, diagnosis, seqcheck
 from lifecycle.dist.causes import Cause
 from lifecycle.dist.groups import ResolvedGroup
 from lifecycle.dist.sidechannel import SideChannel
-from lifecycle.dist.tracker import KeyCounter, ProgressTracker
+from lifecycle.dist.tracker import ProgressTracker
 from lifecycle.errors import HangError, PhaseError
 
 torch_dist = pytest.importorskip("torch.distributed")
@@ -68,9 +68,12 @@ def test_tracker_survives_a_failing_member_lookup() -> None:
     assert t.record()["ranks"] is None
 
 
-def test_key_counter_numbers_like_itertools_count_and_is_readable() -> None:
-    c = KeyCounter()
-    assert [next(c) for _ in range(3)] == [0, 1, 2] and c.value == 3
+def test_store_keys_are_numbered_in_call_order_and_counted() -> None:
+    from lifecycle.phases.base import RunContext
+
+    ctx = RunContext(None, None, 0, 1, 0, None, None)  # type: ignore[arg-type]
+    assert [ctx.next_key("x") for _ in range(3)] == ["lifecycle/x/0", "lifecycle/x/1", "lifecycle/x/2"]
+    assert ctx.keys_taken == 3
 
 
 # ---- diagnosis ------------------------------------------------------------------------------------

@@ -58,7 +58,20 @@ def launch(policy: object, nproc: int) -> int:
     info = summary.build(run_dir, result)
     summary.write(run_dir, info)
     print(summary.render(info), flush=True)
+    _timeline(run_dir)
     return int(result.exit_code)
+
+
+def _timeline(run_dir: Path) -> None:
+    """The merged trace (and the PNG when matplotlib is installed); never changes the run's exit code."""
+    import logging
+
+    from lifecycle.obs import timeline
+
+    try:
+        timeline.main(run_dir)
+    except Exception as exc:  # noqa: BLE001 - a picture must not fail a finished run
+        logging.getLogger(__name__).warning("timeline not written: %s", exc)
 
 
 def _run_as_rank(overrides: Sequence[str], config_dir: str | None, config_name: str) -> int:

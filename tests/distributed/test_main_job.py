@@ -3,6 +3,7 @@ on 4 gloo ranks."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,10 @@ def test_default_job_trains_saves_and_exits_0(tmp_path: Path) -> None:
     for phase in ("init", "warmup", "train", "checkpoint", "teardown"):
         assert phase in s["phases"] and f"  {phase}" in run.proc.stdout
     assert "loss" in run.proc.stdout and "iter_0000020" in run.proc.stdout
+    # the run also leaves the merged trace and the Gantt picture (matplotlib is in the dev extra)
+    trace = json.loads((run.run_dir / "trace.json").read_text())
+    assert {e["tid"] for e in trace["traceEvents"] if e.get("ph") == "X"} == {0, 1, 2, 3}
+    assert (run.run_dir / "timeline.png").stat().st_size > 1000
 
 
 @pytest.mark.timeout(120)

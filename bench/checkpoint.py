@@ -3,7 +3,7 @@
     OMP_NUM_THREADS=1 .venv/bin/python bench/checkpoint.py [--reps 3]
 
 World 4 on gloo (ep=2), a megatron-core GPT-MoE of about 18 M parameters (4 layers, hidden 256, 8 experts,
-Adam state included), after one training step. In the same run, alternating, each repetition times
+Adam state included), after one training step. In the same run, in rotating order, each repetition times
 (max over ranks, after a barrier):
 - raw: `dist_checkpointing.save(sharded_state, dir)` as megatron-core ships it (torch_dist, sync; its own
   default-group barrier at the end) — the baseline;
@@ -39,7 +39,7 @@ def _ctx(rank: int, world: int, root: Path, async_: bool, handler: object) -> ob
     from lifecycle.policy.load import validate
 
     policy = validate({"checkpoint": {"dir": str(root / ("async" if async_ else "sync")), "async": async_,
-                                      "keep_last": 1}, "parallelism": {"ep": 2}, "train": {"options": SPEC}})
+                                      "keep_last": 0}, "parallelism": {"ep": 2}, "train": {"options": SPEC}})
     ctx = RunContext(policy, root / "run", rank, world, rank, EventLog(root / "run", rank), Drills([], rank))
     ctx.store = get_store()
     ctx.step_handler = handler
@@ -77,12 +77,22 @@ def _rank(rank: int, world: int, root: str, reps: int) -> dict[str, list[float]]
     for i in range(reps):
         raw_dir = base / f"raw_{i}"
         raw_dir.mkdir(parents=True, exist_ok=True)
-        out["raw"].append(_timed(lambda d=raw_dir: dist_checkpointing.save(  # type: ignore[misc]
-            checkpoint.sharded_state(handler.state), str(d))))
         sync_ctx.step = async_ctx.step = i + 1  # type: ignore[attr-defined]
-        out["policy"].append(_timed(lambda: phase.save(sync_ctx, "bench")))  # type: ignore[arg-type]
-        out["async_blocking"].append(_timed(lambda: phase.save(async_ctx, "bench")))  # type: ignore[arg-type]
-        phase.finish_pending(async_ctx)  # type: ignore[arg-type]
+
+        def raw(d: Path = raw_dir) -> None:
+            dist_checkpointing.save(checkpoint.sharded_state(handler.state), str(d))
+
+        def policy() -> None:
+            phase.save(sync_ctx, "bench")  # type: ignore[arg-type]
+
+        def async_blocking() -> None:
+            phase.save(async_ctx, "bench")  # type: ignore[arg-type]
+
+        cases = [("raw", raw), ("policy", policy), ("async_blocking", async_blocking)]
+        for name, fn in cases[i % 3:] + cases[:i % 3]:  # rotate: no save always follows the same one
+            out[name].append(_timed(fn))
+            if name == "async_blocking":
+                phase.finish_pending(async_ctx)  # type: ignore[arg-type]
         dist.barrier()
         if rank == 0:
             shutil.rmtree(raw_dir, ignore_errors=True)

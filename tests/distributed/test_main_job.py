@@ -42,10 +42,13 @@ def test_resume_continues_the_loss_curve(tmp_path: Path) -> None:
     ck = tmp_path / "ckpt"
     full = lifecycle_run(tmp_path / "a", 4, *FAST, "train.steps=12", "checkpoint.every_steps=0", "checkpoint.at_end=false")
     assert full.code == 0, full.output
-    first = lifecycle_run(tmp_path / "b", 4, *FAST, "train.steps=10", f"checkpoint.dir={ck}")
+    # Five saves: from the third on, megatron-core reuses the cached save plan and global metadata.
+    first = lifecycle_run(tmp_path / "b", 4, *FAST, "train.steps=10", "checkpoint.every_steps=2",
+                          f"checkpoint.dir={ck}")
     assert first.code == 0, first.output
     resumed = lifecycle_run(tmp_path / "c", 4, *FAST, "train.steps=12", f"checkpoint.dir={ck}")
     assert resumed.code == 0, resumed.output
+    assert sorted(p.name for p in ck.iterdir()) == ["iter_0000010", "iter_0000012", "latest"]
     assert "resumed from step 10" in resumed.proc.stdout
     a, c = _losses(full), _losses(resumed)
     assert sorted(c) == [11, 12]

@@ -7,6 +7,7 @@ group.
 
 from __future__ import annotations
 
+import datetime
 import logging
 import pickle
 import queue
@@ -161,6 +162,14 @@ class SaveHandle:
 
     def _poll(self, store: Any, keys: list[str], deadline: float, timeout_s: float, poll_s: float,
               missing_if_late: list[int] | None = None) -> None:
+        # Block in the store server until every key exists (no polling latency on the common path);
+        # only a timeout falls back to checking key by key to name the missing ranks.
+        left = max(deadline - time.monotonic(), 0.001)
+        try:
+            store.wait(keys, datetime.timedelta(seconds=left))
+            return
+        except Exception:  # noqa: BLE001 - DistStoreError on timeout; re-checked below
+            pass
         while not store.check(keys):
             if time.monotonic() > deadline:
                 missing = missing_if_late or [r for r, k in enumerate(keys) if not store.check([k])]

@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from lifecycle.errors import ExitCode, LifecycleError, UsageError
+from lifecycle.launch import SHUTDOWN_MARKER
 
 log = logging.getLogger(__name__)
-SHUTDOWN_MARKER = ".shutdown"
 
 
 def rank_env() -> tuple[int, int, int]:

@@ -133,6 +133,18 @@ def _wait_verdict(store: Store, keys: _Keys, members: list[int], deadline: float
     return bytes(store.get(keys.result)).decode()
 
 
+def missing_keys(store: Store, keys: list[str], timeout_s: float) -> list[int]:
+    """Block in the store server until every key exists; return the indexes of keys still absent at the
+    deadline (empty: all there). No process group; one wait on the common path, no polling."""
+    from torch.distributed import DistStoreError
+
+    try:
+        store.wait(keys, datetime.timedelta(seconds=max(timeout_s, 0.001)))
+        return []
+    except DistStoreError:  # timed out (a lost connection is DistNetworkError and propagates)
+        return [i for i, k in enumerate(keys) if not store.check([k])]
+
+
 def _leave(store: Store, keys: _Keys, n: int) -> None:
     # Only once all n ranks have read the verdict is it safe to delete it.
     if int(store.add(keys.left, 1)) != n:

@@ -18,9 +18,9 @@ from lifecycle.dist import diagnosis
 from lifecycle.dist.seqcheck import PROBE_MAX_GROUP, SequenceMismatch
 from lifecycle.dist.sidechannel import SideChannel
 from lifecycle.dist.tracker import ProgressTracker
+from lifecycle.launch import SHUTDOWN_MARKER
 from lifecycle.errors import HangError, LifecycleError
 
-SHUTDOWN_MARKER = ".shutdown"  # written by lifecycle.launch before it SIGTERMs the ranks
 _PEER_SIGNS = ("Connection closed by peer", "Connection reset", "Broken pipe", "communicator was aborted")
 
 

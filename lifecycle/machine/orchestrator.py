@@ -44,16 +44,19 @@ class Orchestrator:
         check_transition(self.current, phase, failure=failure)
         for hook in self.ctx.phase_hooks:
             hook(self.ctx, self.current, phase, failure)
-        now = time.monotonic()
-        if self.current is not None:
-            self.ctx.events.emit("end", f"phase:{self.current}", phase=self.current,
-                                 dur_us=int((now - self._entered[self.current]) * 1e6))
+        self._end_current()
         self.current = phase
-        self._entered[phase] = now
+        self._entered[phase] = time.monotonic()
         self.ctx.events.phase = phase
         self.ctx.events.emit("begin", f"phase:{phase}", failure=failure or None)
         self.ctx.events.flush()  # the launcher reads the phase of a dead rank from this file
         self.ctx.drills.fire(phase)
+
+    def _end_current(self) -> None:
+        """The end event of the phase being left (with its duration)."""
+        if self.current is not None:
+            self.ctx.events.emit("end", f"phase:{self.current}", phase=self.current,
+                                 dur_us=int((time.monotonic() - self._entered[self.current]) * 1e6))
 
     def checkpoint(self, ctx: RunContext, reason: str) -> None:
         """train -> checkpoint -> train (called by the train phase at a step boundary)."""
@@ -134,9 +137,7 @@ class Orchestrator:
 
     def _finish(self, code: int) -> None:
         ctx = self.ctx
-        if self.current is not None:
-            ctx.events.emit("end", f"phase:{self.current}",
-                            dur_us=int((time.monotonic() - self._entered[self.current]) * 1e6))
+        self._end_current()
         ctx.events.instant("exit", exit_code=code, step=ctx.step, saved=ctx.saved or None,
                            resumed_from=ctx.resumed_from, stop_step=ctx.stop.stop_step,
                            warmup_s=ctx.metrics.get("warmup_s"))

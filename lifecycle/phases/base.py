@@ -57,6 +57,8 @@ class RunContext:
     phase_hooks: list[Any] = field(default_factory=list)
     """Callables ``hook(ctx, old_phase, new_phase, failure)`` run at every transition (all ranks, same order)."""
     watchdog: Any = None
+    ckpt_group: Any = None
+    """The dedicated gloo group of ``checkpoint.coordination: gloo`` (created at the first save)."""
     keys_taken: int = 0
     """Store keys taken so far: ranks take them in plan order, so a rank with fewer is behind (the watchdog
     publishes it)."""

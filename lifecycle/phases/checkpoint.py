@@ -138,15 +138,14 @@ def _agree(ctx: RunContext, pending: PendingSave, key: str, deadline: float) -> 
 def _gloo_group(ctx: RunContext) -> Any:
     """A dedicated gloo group over every rank for checkpoint coordination (created at first use,
     at the same save on every rank, with the checkpoint deadline as its timeout)."""
-    group = ctx.metrics.get("_ckpt_gloo_group")
-    if group is None:
+    if ctx.ckpt_group is None:
         import datetime
 
         import torch.distributed as dist
 
-        group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=ctx.deadline("checkpoint")))
-        ctx.metrics["_ckpt_gloo_group"] = group
-    return group
+        ctx.ckpt_group = dist.new_group(backend="gloo",
+                                        timeout=datetime.timedelta(seconds=ctx.deadline("checkpoint")))
+    return ctx.ckpt_group
 
 
 def _commit(ctx: RunContext, pending: PendingSave) -> None:

@@ -61,20 +61,19 @@ class LocalFilesSave:
                              rank=self.rank)
         return [self.rank]
 
-    def finalize_via_store(self, store: Any, key: str, timeout_s: float, poll_s: float = 0.02) -> None:
+    def finalize_via_store(self, store: Any, key: str, timeout_s: float) -> None:
         """Every rank publishes; rank 0 waits for all (naming the missing) and writes metadata.json."""
+        from lifecycle.dist.barrier import missing_keys
+
         deadline = time.monotonic() + timeout_s
         store.set(f"{key}/{self.rank}", pickle.dumps(self.wait_local(timeout_s)))
         if self.rank != 0:
             return
-        keys = [f"{key}/{r}" for r in range(self.world)]
-        while not store.check(keys):
-            if time.monotonic() > deadline:
-                missing = [r for r, k in enumerate(keys) if not store.check([k])]
-                raise HangError(f"checkpoint {self.path}: ranks {missing} did not finish writing within "
-                                f"{timeout_s:g}s", missing=missing, phase="checkpoint", rank=0, group="store",
-                                deadline_s=timeout_s)
-            time.sleep(poll_s)
+        missing = missing_keys(store, [f"{key}/{r}" for r in range(self.world)], deadline - time.monotonic())
+        if missing:
+            raise HangError(f"checkpoint {self.path}: ranks {missing} did not finish writing within "
+                            f"{timeout_s:g}s", missing=missing, phase="checkpoint", rank=0, group="store",
+                            deadline_s=timeout_s)
         self._metadata()
 
     def finalize_over_group(self, group: Any, timeout_s: float) -> None:

@@ -7,7 +7,6 @@ group.
 
 from __future__ import annotations
 
-import datetime
 import logging
 import pickle
 import queue
@@ -140,7 +139,7 @@ class SaveHandle:
             self.finalize(gathered)
 
     def finalize_via_store(self, store: Any, key: str, timeout_s: float, *,
-                           wait_complete: bool = False, poll_s: float = 0.05) -> None:
+                           wait_complete: bool = False) -> None:
         """Publish this rank's write results in ``store``; rank 0 collects them all and finalizes.
 
         Every rank must call it, with the same ``key`` (unique per save). No process-group collective.
@@ -154,26 +153,19 @@ class SaveHandle:
         store.set(f"{key}/{self.rank}", pickle.dumps(mine))
         if self.rank == 0:
             keys = [f"{key}/{r}" for r in range(dist.get_world_size())]
-            self._poll(store, keys, deadline, timeout_s, poll_s)
+            self._poll(store, keys, deadline, timeout_s)
             self.finalize([pickle.loads(store.get(k)) for k in keys])
             store.set(f"{key}/done", b"1")
         elif wait_complete:
-            self._poll(store, [f"{key}/done"], deadline, timeout_s, poll_s, missing_if_late=[0])
+            self._poll(store, [f"{key}/done"], deadline, timeout_s, missing_if_late=[0])
 
-    def _poll(self, store: Any, keys: list[str], deadline: float, timeout_s: float, poll_s: float,
+    def _poll(self, store: Any, keys: list[str], deadline: float, timeout_s: float,
               missing_if_late: list[int] | None = None) -> None:
-        # Block in the store server until every key exists (no polling latency on the common path);
-        # only a timeout falls back to checking key by key to name the missing ranks.
-        left = max(deadline - time.monotonic(), 0.001)
-        try:
-            store.wait(keys, datetime.timedelta(seconds=left))
-            return
-        except Exception:  # noqa: BLE001 - DistStoreError on timeout; re-checked below
-            pass
-        while not store.check(keys):
-            if time.monotonic() > deadline:
-                missing = missing_if_late or [r for r, k in enumerate(keys) if not store.check([k])]
-                raise HangError(f"checkpoint {self.ckpt_dir}: ranks {missing} did not finish "
-                                f"within {timeout_s}s", missing=missing, phase=_PHASE,
-                                rank=self.rank, group="store", deadline_s=timeout_s)
-            time.sleep(poll_s)
+        from lifecycle.dist.barrier import missing_keys
+
+        missing = missing_keys(store, keys, deadline - time.monotonic())
+        if missing:
+            missing = missing_if_late or missing
+            raise HangError(f"checkpoint {self.ckpt_dir}: ranks {missing} did not finish "
+                            f"within {timeout_s}s", missing=missing, phase=_PHASE,
+                            rank=self.rank, group="store", deadline_s=timeout_s)

@@ -22,11 +22,11 @@ run: $(STAMP)
 	$(VENV)/bin/lifecycle run
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check lifecycle tests bench examples
+	$(VENV)/bin/ruff check
 	$(VENV)/bin/mypy lifecycle
 
 test: lint
-	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q -p no:randomly
+	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q -p no:randomly --durations=15
 
 clean:
 	rm -rf $(VENV) runs

@@ -32,15 +32,17 @@ SPEC = {"num_layers": 4, "hidden": 256, "ffn_hidden": 1024, "heads": 8, "num_exp
 
 
 def _ctx(rank: int, world: int, root: Path, async_: bool, handler: object) -> object:
-    from lifecycle.dist.barrier import get_store
-    from lifecycle.dist.faults import Drills
+    from lifecycle.backends.megatron.parallel import MegatronParallel
+    from lifecycle.context import RunContext
+    from lifecycle.distributed.barrier import get_store
+    from lifecycle.distributed.faults import Drills
     from lifecycle.obs.events import EventLog
-    from lifecycle.phases.base import RunContext
     from lifecycle.policy.load import validate
 
     policy = validate({"checkpoint": {"dir": str(root / ("async" if async_ else "sync")), "async": async_,
                                       "keep_last": 0}, "parallelism": {"ep": 2}, "train": {"options": SPEC}})
-    ctx = RunContext(policy, root / "run", rank, world, rank, EventLog(root / "run", rank), Drills([], rank))
+    ctx = RunContext(policy, root / "run", rank, world, rank, EventLog(root / "run", rank), Drills([], rank),
+                     MegatronParallel())
     ctx.store = get_store()
     ctx.step_handler = handler
     return ctx
@@ -61,9 +63,9 @@ def _rank(rank: int, world: int, root: str, reps: int) -> dict[str, list[float]]
 
     from lifecycle.backends.megatron import checkpoint, parallel
     from lifecycle.backends.megatron.model import synthetic_batch, train_step
+    from lifecycle.backends.megatron.step import MegatronGPTStep
+    from lifecycle.handlers.options import MegatronGPTOptions
     from lifecycle.phases import checkpoint as phase
-    from lifecycle.phases.options import MegatronGPTOptions
-    from lifecycle.phases.train_megatron import MegatronGPTStep
 
     init_gloo(rank, world, timeout_s=300)
     parallel.initialize(ep=2)

@@ -25,11 +25,11 @@ def _rank(rank: int, world: int, warm: bool) -> dict[str, tuple[float, float]]:
     import torch.distributed as dist
 
     from lifecycle.backends.megatron import parallel
-    from lifecycle.dist import collectives, groups
+    from lifecycle.distributed import collectives, groups
 
     init_gloo(rank, world)
     parallel.initialize(tp=2, ep=2, etp=1)
-    resolved = groups.resolve("all")
+    resolved = groups.resolve(parallel.MegatronParallel(), "all")
     if warm:
         for g in resolved:
             for op in ("barrier", "all_reduce"):

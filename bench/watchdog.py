@@ -77,8 +77,8 @@ def _train_rate(watchdog: bool) -> float:
 
 
 def _listener_cost() -> tuple[float, float]:
-    from lifecycle.dist.tracker import ProgressTracker
     from lifecycle.obs.events import EventLog
+    from lifecycle.watchdog.tracker import ProgressTracker
 
     out = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -112,7 +112,7 @@ def throughput(reps: int) -> None:
 def _barrier_proc(rank: int, n: int, port: int, k: int, out: Any) -> None:
     from torch.distributed import TCPStore
 
-    from lifecycle.dist.barrier import store_barrier
+    from lifecycle.distributed.barrier import store_barrier
 
     store = TCPStore("127.0.0.1", port, None, False, datetime.timedelta(seconds=60))
     ranks = list(range(n))

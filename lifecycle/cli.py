@@ -10,11 +10,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 from collections.abc import Sequence
 
 from lifecycle.errors import ExitCode, LifecycleError
+from lifecycle.logconfig import setup_logging
 
 log = logging.getLogger("lifecycle")
 
@@ -93,10 +93,10 @@ def _explain(args: argparse.Namespace) -> int:
 
 
 def _policies(args: argparse.Namespace) -> int:
-    from lifecycle.phases import registry
+    from lifecycle.handlers import registry
     from lifecycle.policy import catalog
-    from lifecycle.policy.load import config_roots
     from lifecycle.policy.packs import installed_packs
+    from lifecycle.policy.roots import config_roots
 
     packs = installed_packs()
     entries = catalog.catalog(config_roots(args.config_dir, packs))
@@ -138,18 +138,6 @@ def _timeline(args: argparse.Namespace) -> int:
 
 COMMANDS = {"validate": _validate, "explain": _explain, "schema": _schema, "policies": _policies, "diff": _diff,
             "run": _run, "timeline": _timeline}
-
-
-def setup_logging(verbose: bool = False) -> None:
-    """One stderr handler with a ``[rank N]`` prefix (the library itself adds none)."""
-    rank = os.environ.get("RANK")
-    prefix = f"[rank {rank}] " if rank is not None else ""
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter(f"{prefix}%(levelname)s %(name)s: %(message)s"))
-    root = logging.getLogger("lifecycle")
-    root.handlers[:] = [handler]
-    root.setLevel(logging.DEBUG if verbose else logging.INFO)
-    root.propagate = False
 
 
 def main(argv: Sequence[str] | None = None) -> int:

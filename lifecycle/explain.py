@@ -6,13 +6,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from lifecycle.dist.names import GROUP_NAMES
+from lifecycle.distributed.names import GROUP_NAMES
 from lifecycle.errors import PolicyError
 from lifecycle.machine.plan import Plan, WarmTarget, build_plan
 from lifecycle.policy.checks import world_issues
 from lifecycle.policy.load import Loaded, sha256
 from lifecycle.policy.provenance import Origin, provenance
 from lifecycle.policy.provenance import render as render_sources
+from lifecycle.ranks import fmt_ranks
 
 
 class LayoutView:
@@ -32,19 +33,8 @@ class LayoutView:
         return sorted(targets, key=lambda t: GROUP_NAMES.index(t.names[0]))
 
 
-def fmt_ranks(ranks: Sequence[int]) -> str:
-    """Compact rank list: ``0-7``, ``0,4`` or ``0,8,...,16376`` for long strided lists."""
-    n = len(ranks)
-    if n <= 4:
-        return ",".join(map(str, ranks))
-    step = ranks[1] - ranks[0]
-    if all(ranks[i + 1] - ranks[i] == step for i in range(n - 1)):
-        return f"{ranks[0]}-{ranks[-1]}" if step == 1 else f"{ranks[0]},{ranks[1]},...,{ranks[-1]}"
-    return ",".join(map(str, ranks[:3])) + f",...,{ranks[-1]}"
-
-
 def _layout(loaded: Loaded, world_size: int) -> Any:
-    from lifecycle.dist.layout import build_layout
+    from lifecycle.distributed.layout import build_layout
 
     issues = world_issues(loaded.policy, world_size)
     if issues:

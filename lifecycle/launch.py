@@ -20,7 +20,6 @@ also tailed to this process's stdout. ``PYTHONUNBUFFERED=1`` unless given: a kil
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import select
@@ -34,9 +33,10 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from lifecycle import rundir
+
 logger = logging.getLogger(__name__)
 
-SHUTDOWN_MARKER = ".shutdown"  # in run_dir: "this SIGTERM is a job shutdown, not a preemption request"
 _SH = ("-c", 'log=$1; shift; exec "$@" >"$log" 2>&1', "lifecycle-rank")
 _REAP_S = 5.0  # bounded wait after SIGKILL: a rank in uninterruptible sleep cannot be reaped at all
 
@@ -93,7 +93,7 @@ def launch_local(argv: list[str], nproc: int, run_dir: Path, *, env: dict[str, s
         pc = start_processes(
             name="lifecycle", entrypoint="/bin/sh", envs=envs,
             args={r: (*_SH, str(logs[r]), *argv) for r in range(nproc)},
-            logs_specs=_rank_logs(run_dir / "logs", logs, console),
+            logs_specs=_rank_logs(run_dir / rundir.LOGS_DIR, logs, console),
             log_line_prefixes=dict.fromkeys(console, ""),  # worker log lines carry their own [rank N]
         )
         job: _Job | None = None
@@ -121,14 +121,15 @@ class _Job:
         cause = self._monitor(run_dir)
         stop = self.trap.received[0] if cause is None and self.trap.received else None
         if cause is not None:
-            _write_marker(run_dir, f"rank {cause} failed ({_how(self.codes[cause])})", rank=cause,
-                          how=_how(self.codes[cause]), phase=(_last_event(run_dir, cause) or {}).get("phase"))
+            rundir.write_marker(run_dir, f"rank {cause} failed ({_how(self.codes[cause])})", rank=cause,
+                                how=_how(self.codes[cause]),
+                                phase=(rundir.last_event(run_dir, cause) or {}).get("phase"))
         if len(self.codes) < len(self.procs):
             self._shutdown(signal.SIGTERM if stop is None else stop, grace_s)
         if cause is not None:
             code = self.codes[cause]
             exit_code, how = (code if code >= 0 else 128 - code), _how(code)
-            phase = (_last_event(run_dir, cause) or {}).get("phase")
+            phase = (rundir.last_event(run_dir, cause) or {}).get("phase")
         else:
             ok = all(c == 0 for c in self.codes.values())
             exit_code, how, phase = (0 if ok or stop is None else 128 + stop), None, None
@@ -140,7 +141,7 @@ class _Job:
         while len(self.codes) < len(self.procs) and not self.trap.received:
             failed = [r for r in self._reap(self.watch.wait(self.poll_s)) if self.codes[r] != 0]
             if failed:  # several in one wake-up: the earliest last event, then the lowest rank
-                return min(failed, key=lambda r: ((_last_event(run_dir, r) or {}).get("t", 1e99), r))
+                return min(failed, key=lambda r: ((rundir.last_event(run_dir, r) or {}).get("t", 1e99), r))
         return None
 
     def _reap(self, ranks: Iterable[int]) -> list[int]:
@@ -259,7 +260,7 @@ def _rank_logs(log_dir: Path, logs: dict[int, Path], console: set[int]) -> Any:
             return str(log_dir)
 
         def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
-            errors = {r: str(log_dir / f"rank_{r}.error.json") for r in envs}
+            errors = {r: str(rundir.error_file(log_dir.parent, r)) for r in envs}
             for r, path in errors.items():
                 envs[r]["TORCHELASTIC_ERROR_FILE"] = path  # where @record writes a failing rank's traceback
             return LogsDest(stdouts=dict.fromkeys(envs, ""), stderrs=dict.fromkeys(envs, ""),
@@ -271,11 +272,11 @@ def _rank_logs(log_dir: Path, logs: dict[int, Path], console: set[int]) -> Any:
 
 def _prepare(run_dir: Path, nproc: int) -> dict[int, Path]:
     """Make run_dir/logs and drop what a previous launch in the same run_dir left that would mislead."""
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    (run_dir / SHUTDOWN_MARKER).unlink(missing_ok=True)
+    (run_dir / rundir.LOGS_DIR).mkdir(parents=True, exist_ok=True)
+    rundir.clear_marker(run_dir)
     for r in range(nproc):
-        (run_dir / "logs" / f"rank_{r}.error.json").unlink(missing_ok=True)
-    return {r: run_dir / "logs" / f"rank_{r}.log" for r in range(nproc)}
+        rundir.error_file(run_dir, r).unlink(missing_ok=True)
+    return {r: rundir.log_file(run_dir, r) for r in range(nproc)}
 
 
 def _host_store() -> Any:
@@ -293,37 +294,8 @@ def _rank_env(rank: int, nproc: int, port: int, run_dir: Path, extra: dict[str, 
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "LOCAL_RANK": str(rank),
         "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1",
         "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(nproc), "TORCHELASTIC_USE_AGENT_STORE": "True",
-        "LIFECYCLE_RUN_DIR": str(run_dir),
+        rundir.ENV_RUN_DIR: str(run_dir),
     }
-
-
-def _write_marker(run_dir: Path, reason: str, **fields: Any) -> None:
-    # rank/how/phase let the ranks' watchdogs name the dead rank in their reports.
-    tmp = run_dir / f"{SHUTDOWN_MARKER}.tmp"
-    tmp.write_text(json.dumps({"t": time.time(), "reason": reason, **fields}) + "\n")
-    tmp.replace(run_dir / SHUTDOWN_MARKER)  # atomic: a rank never reads half a marker
-
-
-def _last_event(run_dir: Path, rank: int) -> dict[str, Any] | None:
-    """The rank's ``failure`` event, else its last complete JSON line (a kill can cut the last one short)."""
-    try:
-        with (run_dir / "events" / f"rank_{rank}.jsonl").open("rb") as f:
-            f.seek(max(f.seek(0, os.SEEK_END) - 65536, 0))
-            tail = f.read()
-    except OSError:
-        return None
-    last = None
-    for line in reversed(tail.splitlines()):
-        try:
-            event = json.loads(line)
-        except ValueError:
-            continue
-        if not isinstance(event, dict):
-            continue
-        if event.get("name") == "failure":  # the phase the rank failed in, not the teardown that followed
-            return event
-        last = last or event
-    return last
 
 
 def _how(code: int) -> str:

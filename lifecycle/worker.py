@@ -12,10 +12,17 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Any
+from types import FrameType
+from typing import TYPE_CHECKING
 
 from lifecycle.errors import ExitCode, LifecycleError, UsageError
-from lifecycle.launch import SHUTDOWN_MARKER
+from lifecycle.rundir import RESOLVED, has_marker
+
+if TYPE_CHECKING:
+    from lifecycle.context import RunContext
+    from lifecycle.machine.orchestrator import Orchestrator
+    from lifecycle.obs.events import EventLog
+    from lifecycle.policy.schema import FaultDrill, Policy
 
 log = logging.getLogger(__name__)
 
@@ -30,15 +37,14 @@ def rank_env() -> tuple[int, int, int]:
     return rank, world, int(os.environ.get("LOCAL_RANK", "0"))
 
 
-def install_signals(ctx: Any, orchestrator: Any) -> None:
+def install_signals(ctx: RunContext, orchestrator: Orchestrator) -> None:
     """Preemption signals set a flag handled at the next step boundary; the launcher's shutdown SIGTERM
     (the run directory has a ``.shutdown`` marker) leaves through the failure path instead."""
     from lifecycle.machine.orchestrator import Shutdown
 
-    def on_signal(signum: int, _frame: Any) -> None:
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
-        if (ctx.run_dir / SHUTDOWN_MARKER).exists():
-            ctx.stop.shutdown = True
+        if has_marker(ctx.run_dir):
             # Raise only where the orchestrator turns it into the failure path: not before the run started,
             # not while a failure is already being handled (the watchdog acts on the marker there).
             if orchestrator.current not in (None, "teardown") and orchestrator.error is None:
@@ -56,21 +62,23 @@ def install_signals(ctx: Any, orchestrator: Any) -> None:
         signal.signal(getattr(signal, name), on_signal)
 
 
-def run_rank(run_dir: Path, policy: Any = None) -> int:
+def run_rank(run_dir: Path, policy: Policy | None = None) -> int:
     """Run this rank of the run in ``run_dir`` (policy read from there unless given); returns the exit code."""
-    from lifecycle.dist.faults import Drills
+    from lifecycle.backends.megatron.parallel import MegatronParallel
+    from lifecycle.context import RunContext
+    from lifecycle.distributed.faults import Drills
     from lifecycle.machine.orchestrator import Orchestrator
     from lifecycle.obs.events import EventLog
-    from lifecycle.phases.base import RunContext
-    from lifecycle.policy.load import RESOLVED_NAME, read_resolved
+    from lifecycle.policy.load import read_resolved
 
     if policy is None:
-        policy = read_resolved(run_dir / RESOLVED_NAME)
+        policy = read_resolved(run_dir / RESOLVED)
     rank, world, local_rank = rank_env()
     events = EventLog(run_dir, rank, local_rank)
     ctx = RunContext(policy, run_dir, rank, world, local_rank, events,
                      Drills(policy.faults, rank, on_fire=lambda f: _drill_fired(events, f),
-                            crash_code=policy.teardown.exit_codes.rank_failed))
+                            crash_code=policy.teardown.exit_codes.rank_failed),
+                     MegatronParallel())
     orchestrator = Orchestrator(ctx)
     install_signals(ctx, orchestrator)
     start_watchdog(ctx)
@@ -81,13 +89,13 @@ def run_rank(run_dir: Path, policy: Any = None) -> int:
             ctx.watchdog.stop()
 
 
-def start_watchdog(ctx: Any) -> None:
+def start_watchdog(ctx: RunContext) -> None:
     """The watchdog thread (``watchdog.enabled``) and the collective-sequence check (``sequence_check``).
 
     Both before the first phase: the watchdog must see init (communicator bootstrap can hang too).
     """
-    from lifecycle.dist.seqcheck import SequenceCheck
-    from lifecycle.dist.watchdog import Watchdog
+    from lifecycle.watchdog.core import Watchdog
+    from lifecycle.watchdog.seqcheck import SequenceCheck
 
     cfg = ctx.policy.watchdog
     if cfg.sequence_check:
@@ -96,13 +104,13 @@ def start_watchdog(ctx: Any) -> None:
         ctx.watchdog = Watchdog(ctx).start()
 
 
-def _drill_fired(events: Any, drill: Any) -> None:
+def _drill_fired(events: EventLog, drill: FaultDrill) -> None:
     events.instant("fault_drill", action=drill.action, at=drill.at, drill_step=drill.step)
     events.flush()
 
 
 def main(argv: list[str] | None = None) -> int:
-    from lifecycle.cli import setup_logging
+    from lifecycle.logconfig import setup_logging
 
     args = sys.argv[1:] if argv is None else argv
     setup_logging()

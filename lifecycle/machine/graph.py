@@ -1,17 +1,32 @@
-"""The lifecycle as data: phases and legal transitions, checked when this module is imported.
+"""The lifecycle as data: phases, the order the orchestrator runs them in, and the legal transitions,
+checked when this module is imported.
 
 init -> warmup -> train <-> checkpoint -> teardown, and a failure edge from every phase to teardown.
 The graph must have exactly one initial phase, every phase reachable from it, teardown reachable
-from every phase, and teardown terminal. A bad edit to this table fails at import, not mid-run.
+from every phase, and teardown terminal; the main path must follow legal edges (a phase left out when
+disabled included). A bad edit to these tables fails at import, not mid-run.
+
+The phase names are the policy's vocabulary (``faults[].at`` validates against them), so they are
+declared once as the ``Phase`` literal of :mod:`lifecycle.policy.base` (the policy layer imports nothing
+from here) and read from it.
 """
 
 from __future__ import annotations
 
-from lifecycle.errors import TransitionError
+from typing import get_args
 
+from lifecycle.errors import TransitionError
+from lifecycle.policy.base import Phase
+
+PHASES: tuple[str, ...] = get_args(Phase)
 INITIAL = "init"
 TERMINAL = "teardown"
-PHASES: tuple[str, ...] = ("init", "warmup", "train", "checkpoint", "teardown")
+MAIN_PATH: tuple[str, ...] = ("init", "warmup", "train", "teardown")
+"""The phases the orchestrator runs in order (each may be disabled by the policy but the first and last)."""
+OPTIONAL: frozenset[str] = frozenset({"warmup"})
+"""Main-path phases the policy may switch off (``warmup.enabled``)."""
+LOOPS: dict[str, str] = {"train": "checkpoint"}
+"""Side trips taken between steps and returned from: train -> checkpoint -> train."""
 
 # Success edges. init may skip warmup (warmup.enabled=false) and train (train.steps=0) is still entered.
 TRANSITIONS: dict[str, frozenset[str]] = {
@@ -66,6 +81,24 @@ def validate_graph() -> None:
         raise TransitionError(f"trap phases that never reach {TERMINAL}: {traps}")
     if TRANSITIONS[TERMINAL]:
         raise TransitionError(f"{TERMINAL} must be terminal; it has edges to {sorted(TRANSITIONS[TERMINAL])}")
+    _validate_paths()
+
+
+def _validate_paths() -> None:
+    if MAIN_PATH[0] != INITIAL or MAIN_PATH[-1] != TERMINAL:
+        raise TransitionError(f"the main path must run from {INITIAL} to {TERMINAL}: {MAIN_PATH}")
+    for i, phase in enumerate(MAIN_PATH[:-1]):
+        if MAIN_PATH[i + 1] not in TRANSITIONS[phase]:
+            raise TransitionError(f"main path step {phase} -> {MAIN_PATH[i + 1]} is not an edge of the graph")
+    for i, phase in enumerate(MAIN_PATH[1:-1], start=1):
+        if phase in OPTIONAL and MAIN_PATH[i + 1] not in TRANSITIONS[MAIN_PATH[i - 1]]:
+            raise TransitionError(f"optional phase {phase}: {MAIN_PATH[i - 1]} -> {MAIN_PATH[i + 1]} is not an edge")
+    for src, side in LOOPS.items():
+        if side not in TRANSITIONS[src] or src not in TRANSITIONS[side]:
+            raise TransitionError(f"loop {src} -> {side} -> {src} needs both edges")
+    missing = set(PHASES) - set(MAIN_PATH) - set(LOOPS.values())
+    if missing:
+        raise TransitionError(f"phases neither on the main path nor a loop: {sorted(missing)}")
 
 
 validate_graph()

@@ -1,19 +1,25 @@
 """The state machine that runs a policy on one rank.
 
-init -> warmup -> train <-> checkpoint -> teardown; any exception takes the failure edge to teardown.
-Every transition is checked against :mod:`lifecycle.machine.graph` and recorded as events, and the
-phases issue their collectives in plan order, so every rank runs the same sequence.
+The phases run in the order of :data:`lifecycle.machine.graph.MAIN_PATH` (init -> warmup -> train ->
+teardown; a phase the policy disables is skipped), the train phase takes the checkpoint loop at step
+boundaries, and any exception takes the failure edge to teardown. Every transition is checked against
+the graph and recorded as events, and the phases issue their collectives in plan order, so every rank
+runs the same sequence.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any
 
+from lifecycle.context import RunContext
 from lifecycle.errors import ExitCode, HangError, PolicyError, UsageError
-from lifecycle.machine.graph import check_transition
-from lifecycle.phases.base import RunContext
+from lifecycle.machine.graph import MAIN_PATH, TERMINAL, check_transition
+from lifecycle.phases.base import PhaseHandler
+from lifecycle.phases.init import InitPhase
+from lifecycle.phases.teardown import HardDeadline, TeardownPhase
+from lifecycle.phases.train import TrainPhase
+from lifecycle.phases.warmup import WarmupPhase
 
 log = logging.getLogger(__name__)
 
@@ -25,18 +31,17 @@ class Shutdown(BaseException):
 class Orchestrator:
     """Runs the phases of one rank and returns the process exit code."""
 
-    def __init__(self, ctx: RunContext, handlers: dict[str, Any] | None = None) -> None:
-        from lifecycle.phases.init import InitPhase
-        from lifecycle.phases.teardown import TeardownPhase
-        from lifecycle.phases.train import TrainPhase
-        from lifecycle.phases.warmup import WarmupPhase
-
+    def __init__(self, ctx: RunContext) -> None:
         self.ctx = ctx
         self.current: str | None = None
-        self.handlers: dict[str, Any] = {
+        self.teardown = TeardownPhase()
+        self.handlers: dict[str, PhaseHandler] = {
             "init": InitPhase(), "warmup": WarmupPhase(), "train": TrainPhase(self.checkpoint),
-            "teardown": TeardownPhase(), **(handlers or {}),
+            "teardown": self.teardown,
         }
+        missing = set(MAIN_PATH) - set(self.handlers)
+        if missing:
+            raise RuntimeError(f"no handler for main-path phases {sorted(missing)}")
         self._entered: dict[str, float] = {}
         self.error: BaseException | None = None
 
@@ -67,34 +72,26 @@ class Orchestrator:
         self._enter("train")
 
     def run(self) -> int:
-        """Run every phase; return the exit code (0, or the policy's code for the failure)."""
+        """Run every phase of the main path; return the exit code (0, or the policy's code for the failure)."""
         ctx = self.ctx
         try:
-            self._enter("init")
-            self.handlers["init"].run(ctx)
-            stop = False
-            if ctx.policy.warmup.enabled:
-                self._enter("warmup")
-                self.handlers["warmup"].run(ctx)
-            if ctx.policy.checkpoint.on_signal:
-                from lifecycle.phases.train import agree_stop
-
-                stop = agree_stop(ctx)
-            self._enter("train")
-            if stop:
-                log.warning("preemption signal before training: stopping without a checkpoint")
-            else:
-                self.handlers["train"].run(ctx)
+            for phase in MAIN_PATH:
+                if phase == TERMINAL:
+                    break
+                handler = self.handlers[phase]
+                if not handler.enabled(ctx):
+                    continue
+                self._enter(phase)
+                handler.run(ctx)
             return self._teardown()
         except BaseException as exc:  # noqa: BLE001 - every failure takes the failure edge
             return self._fail(exc)
 
     def _teardown(self) -> int:
-        teardown = self.handlers["teardown"]
-        self._enter("teardown")
-        deadline = teardown.arm(self.ctx)
+        self._enter(TERMINAL)
+        deadline = self.teardown.arm(self.ctx)
         try:
-            teardown.run(self.ctx)
+            self.teardown.run(self.ctx)
         except BaseException as exc:  # noqa: BLE001
             deadline.step = "failure"
             return self._fail(exc, in_teardown=True)
@@ -111,14 +108,14 @@ class Orchestrator:
         code = self.exit_code(exc)
         log.error("%s failed on rank %d in phase %s: %s", type(exc).__name__, ctx.rank, self.current, exc)
         ctx.events.instant("failure", error=type(exc).__name__, message=str(exc)[:2000], exit_code=code)
-        teardown = self.handlers["teardown"]
+        deadline: HardDeadline | None
         if not in_teardown:
-            self._enter("teardown", failure=True)
-            deadline = teardown.arm(ctx)
+            self._enter(TERMINAL, failure=True)
+            deadline = self.teardown.arm(ctx)
         else:
-            deadline = teardown.deadline
+            deadline = self.teardown.deadline
         try:
-            teardown.run_failure(ctx, exc)
+            self.teardown.run_failure(ctx, exc)
         except BaseException as again:  # noqa: BLE001 - the first error is the one to report
             log.error("failure teardown also failed: %s", again)
         finally:
@@ -140,5 +137,5 @@ class Orchestrator:
         self._end_current()
         ctx.events.instant("exit", exit_code=code, step=ctx.step, saved=ctx.saved or None,
                            resumed_from=ctx.resumed_from, stop_step=ctx.stop.stop_step,
-                           warmup_s=ctx.metrics.get("warmup_s"))
+                           warmup_s=ctx.warmup_s or None)
         ctx.events.close()

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
-from lifecycle.dist.names import GROUP_NAMES
+from lifecycle.distributed.names import GROUP_NAMES
+from lifecycle.jsontypes import JsonDict
 from lifecycle.policy.schema import Policy
 
 
@@ -26,7 +27,7 @@ class Action:
     names: tuple[str, ...] = ()
     ranks: tuple[int, ...] = ()
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> JsonDict:
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items()
                 if v not in (None, "", ())}
 
@@ -49,7 +50,7 @@ class GroupView(Protocol):
 class Plan:
     phases: dict[str, list[Action]] = field(default_factory=dict)
 
-    def as_dict(self) -> dict[str, list[dict[str, Any]]]:
+    def as_dict(self) -> dict[str, list[JsonDict]]:
         return {phase: [a.as_dict() for a in actions] for phase, actions in self.phases.items()}
 
 

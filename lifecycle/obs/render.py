@@ -2,22 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
-
-def rank_ranges(ranks: Iterable[Any]) -> str:
-    """``0-3,6,8-9`` for ranks 0,1,2,3,6,8,9 (JSON keys come back as strings)."""
-    rs = sorted({int(r) for r in ranks})
-    parts: list[str] = []
-    i = 0
-    while i < len(rs):
-        j = i
-        while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
-            j += 1
-        parts.append(str(rs[i]) if i == j else f"{rs[i]}-{rs[j]}")
-        i = j + 1
-    return ",".join(parts)
+from lifecycle.ranks import fmt_ranks
 
 
 def _phases(s: dict[str, Any]) -> list[str]:
@@ -26,7 +13,7 @@ def _phases(s: dict[str, Any]) -> list[str]:
         line = (f"  {phase:<11} min {t['min_s']:>8.3f}s  median {t['median_s']:>8.3f}s  max {t['max_s']:>8.3f}s"
                 f"  (slowest rank {t['slowest_rank']})")
         if t.get("cut_ranks"):
-            line += f"  cut on ranks {rank_ranges(t['cut_ranks'])}"
+            line += f"  cut on ranks {fmt_ranks(t['cut_ranks'])}"
         lines.append(line)
     return lines
 
@@ -58,7 +45,7 @@ def _exits(s: dict[str, Any]) -> list[str]:
         by_how.setdefault(st["how"], []).append(r)
     if set(by_how) <= {"exit 0"}:
         return []
-    return ["exits    " + "; ".join(f"{how}: ranks {rank_ranges(rs)}" for how, rs in sorted(by_how.items()))]
+    return ["exits    " + "; ".join(f"{how}: ranks {fmt_ranks(rs)}" for how, rs in sorted(by_how.items()))]
 
 
 def _failures(s: dict[str, Any]) -> list[str]:
@@ -92,11 +79,11 @@ def render(s: dict[str, Any]) -> str:
     lines += _checkpoints(s)
     if s["zero_token_events"]:
         zt = s["zero_token_events"]
-        lines.append(f"zero-token events: {sum(zt.values())} on ranks {rank_ranges(zt)}")
+        lines.append(f"zero-token events: {sum(zt.values())} on ranks {fmt_ranks(zt)}")
     lines += _failures(s)
     if s.get("hang_reports"):
         h = s["hang_reports"][0]
-        culprits = f" culprits {rank_ranges(h['culprits'])}" if h.get("culprits") else ""
+        culprits = f" culprits {fmt_ranks(h['culprits'])}" if h.get("culprits") else ""
         lines.append(f"hang     reported by {len(s['hang_reports'])} rank(s): {h.get('cause')}{culprits}"
                      + (f"; see {s['hang_report_file']}" if s.get("hang_report_file") else ""))
     return "\n".join(lines + _exits(s))

@@ -12,11 +12,11 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from lifecycle.machine.graph import PHASES
 from lifecycle.obs.events import read_events
 from lifecycle.obs.spans import Span, phase_of, rank_spans, valid_events
+from lifecycle.rundir import HANG_REPORT, SUMMARY
 
-PHASES = ("init", "warmup", "train", "checkpoint", "teardown")
-HANG_FILE = "hang_report.json"  # written by the watchdog (lifecycle.dist.report) on the lowest live rank
 HANG_KEYS = ("cause", "detail", "origin", "culprits", "dead", "group", "report")
 
 
@@ -161,7 +161,7 @@ def build(run_dir: Path, launch: Any | None = None) -> dict[str, Any]:
         "failures": _instants(events, lambda n: n == "failure", ("error", "message", "exit_code")),
         "fault_drills": _instants(events, lambda n: n == "fault_drill", ("action", "at", "drill_step")),
         "hang_reports": _instants(events, lambda n: "hang" in n, HANG_KEYS),
-        "hang_report_file": str(Path(run_dir) / HANG_FILE) if (Path(run_dir) / HANG_FILE).is_file() else None,
+        "hang_report_file": str(Path(run_dir) / HANG_REPORT) if (Path(run_dir) / HANG_REPORT).is_file() else None,
         "resumed_from": exit0.get("resumed_from"),
         "stop_step": exit0.get("stop_step"),
     }
@@ -172,7 +172,7 @@ def build(run_dir: Path, launch: Any | None = None) -> dict[str, Any]:
 
 
 def write(run_dir: Path, summary: dict[str, Any]) -> Path:
-    path = Path(run_dir) / "summary.json"
+    path = Path(run_dir) / SUMMARY
     path.write_text(json.dumps(summary, indent=1, default=str))
     return path
 

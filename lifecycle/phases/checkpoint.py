@@ -14,11 +14,16 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from lifecycle.errors import PhaseError
-from lifecycle.phases.base import RunContext
 from lifecycle.phases.points import run_points
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+    from lifecycle.context import RunContext
+    from lifecycle.handlers.protocols import SaveHandle, StepHandler
 
 log = logging.getLogger(__name__)
 TRACKER = "latest"
@@ -26,7 +31,7 @@ TRACKER = "latest"
 
 @dataclass
 class PendingSave:
-    handle: Any
+    handle: SaveHandle
     step: int
     tmp: Path
     final: Path
@@ -76,9 +81,15 @@ def _all_ranks(ctx: RunContext) -> list[int]:
     return list(range(ctx.world_size))
 
 
+def _handler(ctx: RunContext) -> StepHandler:
+    if ctx.step_handler is None:
+        raise PhaseError("no step handler: checkpoints need train.steps > 0", phase="checkpoint", rank=ctx.rank)
+    return ctx.step_handler
+
+
 def save(ctx: RunContext, reason: str) -> None:
     """Save at the current step. Every rank calls it at the same step boundary."""
-    from lifecycle.dist.barrier import store_barrier
+    from lifecycle.distributed.barrier import store_barrier
 
     if ctx.pending_save is not None:
         finish_pending(ctx)
@@ -94,12 +105,13 @@ def save(ctx: RunContext, reason: str) -> None:
         shutil.rmtree(tmp, ignore_errors=True)  # a torn save from an earlier, crashed run
     # Nobody writes into tmp/ before rank 0 has cleared it.
     with ctx.events.span("barrier:ckpt_prepare", group="world", via="store"):
-        store_barrier(ctx.store, key, ctx.rank, _all_ranks(ctx), deadline, phase="checkpoint", group="world")
+        store_barrier(ctx.require_store(), key, ctx.rank, _all_ranks(ctx), deadline, phase="checkpoint",
+                      group="world")
     from lifecycle.obs import progress
 
     with progress.activity(ctx.rank, f"checkpoint step {ctx.step} ({reason})"):
         with ctx.events.span("save", step=ctx.step, reason=reason, path=str(final)):
-            handle = ctx.step_handler.begin_save(ctx, tmp)
+            handle = _handler(ctx).begin_save(ctx, tmp)
         ctx.pending_save = PendingSave(handle, ctx.step, tmp, final, reason)
         if not ctx.policy.checkpoint.async_:
             finish_pending(ctx)
@@ -107,7 +119,7 @@ def save(ctx: RunContext, reason: str) -> None:
 
 def finish_pending(ctx: RunContext) -> None:
     """Wait for every rank's writes, then commit on rank 0. Every rank calls it at the same point."""
-    from lifecycle.dist.barrier import store_barrier
+    from lifecycle.distributed.barrier import store_barrier
 
     pending, ctx.pending_save = ctx.pending_save, None
     if pending is None:
@@ -121,9 +133,9 @@ def finish_pending(ctx: RunContext) -> None:
             _commit(ctx, pending)
         # Every rank learns that the commit happened (or names rank 0 if it did not).
         with ctx.events.span("barrier:ckpt_committed", group="world", via="store"):
-            store_barrier(ctx.store, f"{key}/committed", ctx.rank, _all_ranks(ctx), deadline,
+            store_barrier(ctx.require_store(), f"{key}/committed", ctx.rank, _all_ranks(ctx), deadline,
                           phase="checkpoint", group="world")
-        extra["write_s"] = getattr(pending.handle, "write_s", None)
+        extra["write_s"] = pending.handle.write_s
     ctx.saved.append(str(pending.final))
     run_points(ctx, "after_checkpoint", deadline)
 
@@ -132,10 +144,10 @@ def _agree(ctx: RunContext, pending: PendingSave, key: str, deadline: float) -> 
     if ctx.policy.checkpoint.coordination == "gloo":
         pending.handle.finalize_over_group(_gloo_group(ctx), deadline)
     else:
-        pending.handle.finalize_via_store(ctx.store, key, deadline)
+        pending.handle.finalize_via_store(ctx.require_store(), key, deadline)
 
 
-def _gloo_group(ctx: RunContext) -> Any:
+def _gloo_group(ctx: RunContext) -> ProcessGroup:
     """A dedicated gloo group over every rank for checkpoint coordination (created at first use,
     at the same save on every rank, with the checkpoint deadline as its timeout)."""
     if ctx.ckpt_group is None:
@@ -183,7 +195,7 @@ def resume(ctx: RunContext) -> None:
     for i, path in enumerate(candidates):
         try:
             with ctx.events.span("resume", path=str(path)):
-                ctx.step = int(ctx.step_handler.load(ctx, path))
+                ctx.step = int(_handler(ctx).load(ctx, path))
         except Exception as exc:
             if ck.on_corrupt == "fallback" and i + 1 < len(candidates):
                 log.warning("checkpoint %s is unusable (%s); falling back to %s", path, exc, candidates[i + 1])

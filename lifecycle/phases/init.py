@@ -6,11 +6,14 @@ import datetime
 import logging
 import os
 import time
+from typing import TYPE_CHECKING
 
 from lifecycle.errors import PhaseError, PolicyError
-from lifecycle.phases.base import RunContext
 from lifecycle.phases.points import run_points
 from lifecycle.policy.checks import world_issues
+
+if TYPE_CHECKING:
+    from lifecycle.context import RunContext
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +39,9 @@ def nccl_env(ctx: RunContext) -> None:
 class InitPhase:
     phase = "init"
 
+    def enabled(self, ctx: RunContext) -> bool:
+        return True
+
     def run(self, ctx: RunContext) -> None:
         """Collective on the default group: every rank must run it."""
         issues = world_issues(ctx.policy, ctx.world_size)
@@ -50,7 +56,7 @@ class InitPhase:
         import torch
         import torch.distributed as dist
 
-        from lifecycle.dist.barrier import get_store
+        from lifecycle.distributed.barrier import get_store
 
         backend = pick_backend(ctx.policy.distributed.backend)
         kwargs: dict[str, object] = {}
@@ -67,21 +73,17 @@ class InitPhase:
         ctx.store = get_store()
 
     def _model_parallel(self, ctx: RunContext) -> None:
-        from lifecycle.backends.megatron import parallel
-
-        par = ctx.policy.parallelism
         ctx.drills.fire("init", op="initialize_model_parallel")
         with ctx.events.span("initialize_model_parallel", group="world"):
-            if not parallel.is_initialized():
-                parallel.initialize(par.tp, par.pp, par.cp, par.ep, par.etp, par.vpp, par.dist_opt_instances,
-                                    ctx.deadline("init"), order=par.order)
+            if not ctx.parallel.is_initialized():
+                ctx.parallel.initialize(ctx.policy.parallelism, ctx.deadline("init"))
 
     def _check_policy(self, ctx: RunContext) -> None:
         """All-gather every rank's policy sha256 on the default group; any difference is an error."""
         import torch
         import torch.distributed as dist
 
-        from lifecycle.dist.collectives import wait_works
+        from lifecycle.distributed.collectives import wait_works
         from lifecycle.policy.load import sha256
 
         digest = sha256(ctx.policy)

@@ -10,10 +10,15 @@ import logging
 import os
 import sys
 import threading
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from lifecycle.phases.base import RunContext
 from lifecycle.phases.points import run_points
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+    from lifecycle.context import RunContext
 
 log = logging.getLogger(__name__)
 
@@ -21,7 +26,7 @@ log = logging.getLogger(__name__)
 class HardDeadline:
     """A daemon timer that force-exits the process if teardown overruns. ``cancel()`` is idempotent."""
 
-    def __init__(self, seconds: float, code: int, on_expire: Any = None) -> None:
+    def __init__(self, seconds: float, code: int, on_expire: Callable[[str], None] | None = None) -> None:
         self.step = "start"
         self.code = code
         self.on_expire = on_expire
@@ -49,7 +54,7 @@ class HardDeadline:
         self._timer.cancel()
 
 
-def _subgroups_newest_first() -> list[Any]:
+def _subgroups_newest_first() -> list[ProcessGroup]:
     """Every non-default process group, in reverse creation order (c10d keeps them in creation order)."""
     import torch.distributed.distributed_c10d as c10d
 
@@ -63,6 +68,9 @@ class TeardownPhase:
 
     def __init__(self) -> None:
         self.deadline: HardDeadline | None = None
+
+    def enabled(self, ctx: RunContext) -> bool:
+        return True
 
     def arm(self, ctx: RunContext) -> HardDeadline:
         td = ctx.policy.teardown
@@ -113,10 +121,7 @@ class TeardownPhase:
             handler.close()
 
     def _destroy_model_parallel(self, ctx: RunContext) -> None:
-        if "megatron.core" in sys.modules:
-            from lifecycle.backends.megatron import parallel
-
-            parallel.destroy()
+        ctx.parallel.destroy()
 
     def _destroy_subgroups(self, ctx: RunContext) -> None:
         import torch.distributed as dist

@@ -6,11 +6,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
-from lifecycle.phases import registry
-from lifecycle.phases.base import RunContext
+from lifecycle.handlers import registry
 from lifecycle.phases.points import run_point
+
+if TYPE_CHECKING:
+    from lifecycle.context import RunContext
+    from lifecycle.handlers.protocols import StepHandler
 
 log = logging.getLogger(__name__)
 
@@ -20,7 +23,7 @@ def agree_stop(ctx: RunContext) -> bool:
     import torch
     import torch.distributed as dist
 
-    from lifecycle.dist.collectives import wait_works
+    from lifecycle.distributed.collectives import wait_works
 
     flag = torch.tensor([1 if ctx.stop.preempt_signal else 0], dtype=torch.int32)
     work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True)
@@ -37,17 +40,28 @@ class TrainPhase:
         self.checkpoint = checkpoint
         self.saved_at: int | None = None
 
+    def enabled(self, ctx: RunContext) -> bool:
+        return True  # entered even with train.steps=0: the stop-flag agreement and teardown's order need it
+
     def run(self, ctx: RunContext) -> None:
+        """Collective on the default group (the stop flag) and on every group the step handler uses."""
         policy = ctx.policy
+        if policy.checkpoint.on_signal and agree_stop(ctx):
+            log.warning("preemption signal before training: stopping without a checkpoint")
+            return
         if policy.train.steps == 0:
             log.info("train.steps=0: no model, no training")
             return
-        spec = registry.get("train", policy.train.kind)
-        ctx.step_handler = spec.load()(policy.train.options)
+        ctx.step_handler = self._build(ctx)
         with ctx.events.span("setup", handler=policy.train.kind):
             ctx.step_handler.setup(ctx)
         self._resume(ctx)
-        self._loop(ctx)
+        self._loop(ctx, ctx.step_handler)
+
+    def _build(self, ctx: RunContext) -> StepHandler:
+        spec = registry.get("train", ctx.policy.train.kind)
+        handler: StepHandler = spec.load()(ctx.policy.train.options)
+        return handler
 
     def _resume(self, ctx: RunContext) -> None:
         if ctx.policy.checkpoint.resume == "never":
@@ -56,7 +70,7 @@ class TrainPhase:
 
         resume(ctx)
 
-    def _loop(self, ctx: RunContext) -> None:
+    def _loop(self, ctx: RunContext, handler: StepHandler) -> None:
         from lifecycle.obs import progress
 
         policy = ctx.policy
@@ -66,7 +80,7 @@ class TrainPhase:
                 ctx.events.step = step
                 ctx.drills.fire("train", step=step)
                 with ctx.events.span("step") as extra:
-                    metrics: dict[str, Any] = ctx.step_handler.step(ctx, step)
+                    metrics = handler.step(ctx, step)
                     extra.update(metrics)
                 ctx.step = step
                 bar.update(step, loss=metrics.get("loss"))

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
-from lifecycle.dist.names import GROUP_NAMES
+from lifecycle.distributed.names import GROUP_NAMES
 from lifecycle.machine.plan import WarmTarget, build_plan, requested_groups
-from lifecycle.phases.base import RunContext
 from lifecycle.phases.points import run_point
+
+if TYPE_CHECKING:
+    from lifecycle.context import RunContext
+    from lifecycle.distributed.collectives import WarmupOp
+    from lifecycle.distributed.groups import ResolvedGroup
 
 log = logging.getLogger(__name__)
 
@@ -17,7 +21,7 @@ log = logging.getLogger(__name__)
 class ResolvedView:
     """The plan's GroupView over the groups this rank really has."""
 
-    def __init__(self, groups: Sequence[Any]) -> None:
+    def __init__(self, groups: Sequence[ResolvedGroup]) -> None:
         self.groups = list(groups)
 
     def warm_targets(self, requested: Sequence[str]) -> list[WarmTarget]:
@@ -41,12 +45,15 @@ def _free_memory() -> int | None:
 class WarmupPhase:
     phase = "warmup"
 
+    def enabled(self, ctx: RunContext) -> bool:
+        return ctx.policy.warmup.enabled
+
     def run(self, ctx: RunContext) -> None:
         """Every rank runs the same ordered (group, op) list; each op is collective on its group."""
-        from lifecycle.dist import collectives, groups
+        from lifecycle.distributed import collectives, groups
 
         policy = ctx.policy
-        ctx.groups = groups.resolve(requested_groups(policy), policy.warmup.required)
+        ctx.groups = groups.resolve(ctx.parallel, requested_groups(policy), policy.warmup.required)
         by_name = {n: g for g in ctx.groups for n in g.names}
         plan = build_plan(policy, ResolvedView(ctx.groups)).phases["warmup"]
         point_index: dict[str, int] = {}
@@ -62,10 +69,10 @@ class WarmupPhase:
             group = by_name[action.names[0]]
             timings[group.label] = timings.get(group.label, 0.0) + self._op(ctx, collectives.OPS[op], op, group,
                                                                             action.deadline_s or 0.0)
-        ctx.metrics["warmup_s"] = timings
+        ctx.warmup_s = timings
         self._headroom(ctx)
 
-    def _op(self, ctx: RunContext, fn: Any, op: str, group: Any, deadline: float) -> float:
+    def _op(self, ctx: RunContext, fn: WarmupOp, op: str, group: ResolvedGroup, deadline: float) -> float:
         if ctx.drills.fire("warmup", op=op, group=group.names[0]):
             return 0.0
         before = _free_memory()

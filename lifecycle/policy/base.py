@@ -6,8 +6,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-PHASES: tuple[str, ...] = ("init", "warmup", "train", "checkpoint", "teardown")
 Phase = Literal["init", "warmup", "train", "checkpoint", "teardown"]
+"""The phase names, declared once (``lifecycle.machine.graph`` reads them from here: the policy layer
+imports nothing from the machine)."""
 
 
 class Section(BaseModel):

@@ -9,7 +9,8 @@ from typing import Any
 
 import yaml
 
-from lifecycle.policy.packs import ConfigRoot, Pack
+from lifecycle.policy.packs import Pack
+from lifecycle.policy.roots import ConfigRoot
 
 _SKIP_DIRS = {"__pycache__"}
 

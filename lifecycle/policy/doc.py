@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
-from lifecycle.phases import registry
+from lifecycle.handlers import registry
 from lifecycle.policy.schema import Policy
 
 BEGIN, END = "<!-- policy-table:begin -->", "<!-- policy-table:end -->"

@@ -22,19 +22,10 @@ from pydantic import ValidationError
 
 from lifecycle.errors import PolicyError, PolicyIssue
 from lifecycle.policy.errors import from_hydra, from_omegaconf, from_validation
-from lifecycle.policy.packs import ConfigRoot, Pack, installed_packs, search_roots, unusable_pack_for
+from lifecycle.policy.packs import Pack, installed_packs, unusable_pack_for
+from lifecycle.policy.roots import ConfigRoot, config_roots
 from lifecycle.policy.schema import Policy, is_schema_path
-
-RESOLVED_NAME = "policy.resolved.yaml"
-
-
-def builtin_conf_dir() -> Path:
-    """The built-in presets: ``lifecycle/conf`` when installed, ``conf/`` in a source tree."""
-    here = Path(__file__).resolve().parent.parent
-    for candidate in (here / "conf", here.parent / "conf"):
-        if (candidate / "config.yaml").is_file():
-            return candidate
-    raise FileNotFoundError(f"lifecycle's built-in conf/ is missing next to {here}")
+from lifecycle.rundir import RESOLVED, SHA256
 
 
 @dataclass(frozen=True)
@@ -44,7 +35,6 @@ class Loaded:
     policy: Policy
     raw: dict[str, Any]
     source: str
-    search_path: tuple[str, ...]
     roots: tuple[ConfigRoot, ...] = ()
     """The search path with the origin of each folder (user dir, built-in, pack)."""
     overrides: tuple[str, ...] = ()
@@ -137,21 +127,6 @@ def normalize_overrides(overrides: Sequence[str]) -> list[str]:
     return out
 
 
-def config_roots(config_dir: str | Path | None, packs: list[Pack] | None = None) -> list[ConfigRoot]:
-    """The search path: ``--config-dir`` (checked), the built-ins, the usable installed packs."""
-    return search_roots(_user_dir(config_dir), packs)
-
-
-def _user_dir(config_dir: str | Path | None) -> Path | None:
-    if config_dir is None:
-        return None
-    path = Path(config_dir).expanduser().resolve()
-    if not path.is_dir():
-        raise PolicyError.single("--config-dir", "is not a directory; pass the folder that holds your "
-                                 "policy YAML", str(config_dir))
-    return path
-
-
 def validate(data: dict[str, Any], *, source: str | None = None) -> Policy:
     """Validate a plain dict; every problem becomes one PolicyIssue."""
     targets = list(_find_targets(data, ""))
@@ -187,8 +162,7 @@ def load(overrides: Sequence[str] = (), *, config_dir: str | Path | None = None,
     data, roots = compose(overrides, config_dir=config_dir, config_name=config_name)
     source = f"{roots[0].path}/{config_name}.yaml"
     policy = validate(data, source=source)
-    return Loaded(policy, data, source, tuple(str(r.path) for r in roots), tuple(roots), tuple(overrides),
-                  config_name)
+    return Loaded(policy, data, source, tuple(roots), tuple(overrides), config_name)
 
 
 def to_plain(policy: Policy) -> dict[str, Any]:
@@ -204,9 +178,9 @@ def sha256(policy: Policy) -> str:
 def write_resolved(policy: Policy, run_dir: Path) -> Path:
     """Write the resolved policy and its sha256 into the run directory."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / RESOLVED_NAME
+    path = run_dir / RESOLVED
     path.write_text(yaml.safe_dump(to_plain(policy), sort_keys=False))
-    (run_dir / "policy.sha256").write_text(sha256(policy) + "\n")
+    (run_dir / SHA256).write_text(sha256(policy) + "\n")
     return path
 
 

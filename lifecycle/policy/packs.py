@@ -64,16 +64,6 @@ class Pack:
             raise PolicyError.single(self.label, f"unusable pack{why}: {self.error}", has_value=False)
 
 
-@dataclass(frozen=True)
-class ConfigRoot:
-    """One folder of the Hydra search path and where it comes from."""
-
-    path: Path
-    origin: str
-    """``user dir``, ``built-in`` or a pack's label."""
-    pack: Pack | None = None
-
-
 def _conf_dir(module: str) -> Path | None:
     """The package folder, found without running the package (for packs that fail to import)."""
     try:
@@ -128,22 +118,6 @@ def installed_packs() -> list[Pack]:
     """
     eps = sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: (e.name, e.value))
     return [_load(ep) for ep in eps]
-
-
-def search_roots(config_dir: Path | None, packs: list[Pack] | None = None) -> list[ConfigRoot]:
-    """The search path in order: the user's folder, the built-ins, then each usable pack by name."""
-    from lifecycle.policy.load import builtin_conf_dir
-
-    roots = [ConfigRoot(config_dir, "user dir")] if config_dir is not None else []
-    builtin = builtin_conf_dir()
-    if config_dir != builtin:
-        roots.append(ConfigRoot(builtin, "built-in"))
-    seen = {r.path for r in roots}
-    for pack in installed_packs() if packs is None else packs:
-        if pack.error is None and pack.conf_dir is not None and pack.conf_dir not in seen:
-            seen.add(pack.conf_dir)
-            roots.append(ConfigRoot(pack.conf_dir, pack.label, pack))
-    return roots
 
 
 def unusable_pack_for(config_path: str, packs: list[Pack] | None = None) -> Pack | None:

@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from lifecycle.policy.load import Loaded, hydra_session, normalize_overrides, to_plain
-from lifecycle.policy.packs import ConfigRoot
+from lifecycle.policy.roots import ConfigRoot
 
 COMMAND_LINE = "command line"
 DEFAULT = "default"

@@ -18,7 +18,7 @@ from pydantic import (
 
 from lifecycle import SCHEMA_VERSION
 from lifecycle.errors import PolicyError, PolicyIssue
-from lifecycle.phases import registry
+from lifecycle.handlers import registry
 from lifecycle.policy.base import Phase, Section
 from lifecycle.policy.sections import (
     BarriersConfig,

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, PositiveFloat, PositiveInt, field_validator, model_validator
 
-from lifecycle.dist.names import GROUP_NAMES, closest
+from lifecycle.distributed.names import GROUP_NAMES, closest
 from lifecycle.policy.base import Section
 
 WarmupOp = Literal["barrier", "all_reduce", "all_gather", "all_to_all", "p2p"]

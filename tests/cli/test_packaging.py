@@ -24,7 +24,7 @@ def test_wheel_ships_the_presets(tmp_path: Path) -> None:
     wheel = next(wheels.glob("lifecycle-*.whl"))
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
                    check=True, capture_output=True, timeout=100)
-    code = ("import lifecycle, sys; from lifecycle.policy.load import builtin_conf_dir, load; "
+    code = ("import lifecycle, sys; from lifecycle.policy.load import load; from lifecycle.policy.roots import builtin_conf_dir; "
             "print(lifecycle.__file__); print(builtin_conf_dir()); print(load(['preset=moe_large']).policy.description)")
     env = {**os.environ, "PYTHONPATH": str(target)}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env,

@@ -11,7 +11,7 @@ import pytest
 
 from tests.distributed.runs import FAST, SYNTHETIC, lifecycle_run
 from tests.helpers import run_cli
-from tests.unit.test_timeline import check_trace
+from tests.unit.obs.test_timeline import check_trace
 
 HAS_MPL = importlib.util.find_spec("matplotlib") is not None
 PHASES = ("init", "warmup", "train", "checkpoint", "teardown")

@@ -15,8 +15,8 @@ def _compare(rank: int, world: int, sizes: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
     from lifecycle.backends.megatron import parallel
-    from lifecycle.dist.layout import build_layout
-    from lifecycle.dist.names import GROUP_NAMES
+    from lifecycle.distributed.layout import build_layout
+    from lifecycle.distributed.names import GROUP_NAMES
 
     init_gloo(rank, world)
     parallel.initialize(**sizes, timeout_s=60)

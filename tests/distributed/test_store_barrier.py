@@ -17,7 +17,7 @@ LATE = 3
 
 
 def _all_arrive(rank: int, world: int) -> int:
-    from lifecycle.dist.barrier import get_store, store_barrier
+    from lifecycle.distributed.barrier import get_store, store_barrier
 
     init_gloo(rank, world)
     store = get_store()
@@ -39,7 +39,7 @@ def _one_late(rank: int, world: int) -> dict[str, object]:
     import torch
     import torch.distributed as dist
 
-    from lifecycle.dist.barrier import get_store, store_barrier
+    from lifecycle.distributed.barrier import get_store, store_barrier
     from lifecycle.errors import HangError
 
     init_gloo(rank, world)

@@ -16,20 +16,20 @@ DEADLINE_S = 2.5
 
 def _all_ops(rank: int, world: int) -> dict[str, Any]:
     from lifecycle.backends.megatron import parallel
-    from lifecycle.dist.collectives import OPS
-    from lifecycle.dist.groups import resolve
+    from lifecycle.distributed.collectives import OPS
+    from lifecycle.distributed.groups import resolve
     from lifecycle.errors import PhaseError
 
     init_gloo(rank, world)
     parallel.initialize(tp=2, ep=2, timeout_s=60)
     try:
-        groups = resolve("all")
+        groups = resolve(parallel.MegatronParallel(), "all")
         took = {}
         for g in groups:
             for op_name, op in OPS.items():
                 took[(g.label, op_name)] = op(g.pg, g.ranks, 20.0, group_name=g.label)
         try:
-            resolve(["tp"], required=["inter_dist_opt"])
+            resolve(parallel.MegatronParallel(), ["tp"], required=["inter_dist_opt"])
             required_error = None
         except PhaseError as exc:
             required_error = (str(exc), exc.group)
@@ -61,15 +61,15 @@ def _skip_one(rank: int, world: int) -> dict[str, Any]:
     from torch.distributed.distributed_c10d import _get_default_store
 
     from lifecycle.backends.megatron import parallel
-    from lifecycle.dist.collectives import all_reduce
-    from lifecycle.dist.groups import resolve
+    from lifecycle.distributed.collectives import all_reduce
+    from lifecycle.distributed.groups import resolve
     from lifecycle.errors import HangError
 
     init_gloo(rank, world)
     parallel.initialize(tp=2, timeout_s=60)
     store = _get_default_store()
     try:
-        (dp,) = resolve(["dp"])
+        (dp,) = resolve(parallel.MegatronParallel(), ["dp"])
         if rank == 1:
             start = time.monotonic()
             try:

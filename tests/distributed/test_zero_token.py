@@ -66,12 +66,13 @@ def _build_layer(experts_cls: type, seed: int = 1234) -> Any:
     from megatron.core.transformer.spec_utils import build_module
 
     from lifecycle.backends.megatron.model import ModelSpec, parallel_sizes, transformer_config
+    from lifecycle.handlers.options import MegatronGPTOptions
 
-    spec = ModelSpec(num_layers=1, hidden=16, ffn_hidden=32, heads=2, num_experts=4, moe_router_topk=2,
+    spec = ModelSpec(MegatronGPTOptions(num_layers=1, hidden=16, ffn_hidden=32, heads=2, num_experts=4, topk=2),
                      aux_loss_coeff=0.0)
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
-    moe_spec = get_moe_module_spec(use_te=False, num_experts=spec.num_experts, moe_grouped_gemm=False)
+    moe_spec = get_moe_module_spec(use_te=False, num_experts=spec.options.num_experts, moe_grouped_gemm=False)
     moe_spec.submodules.experts.module = experts_cls
     layer = build_module(moe_spec, config=transformer_config(spec, parallel_sizes()))
     with torch.no_grad():  # experts 0 and 1 win every token: inputs are positive, see _inputs

@@ -110,14 +110,6 @@ def load(state: TrainState, ckpt_dir: str, *, fully_parallel: bool = False) -> i
     return state.step
 
 
-_STRATEGIES: dict[tuple[int, bool, int], tuple[Any, Any]] = {}
-
-
-def forget_strategies() -> None:
-    """Drop the cached save strategies (call when the model or the layout is rebuilt)."""
-    _STRATEGIES.clear()
-
-
 def _capturing_strategy(thread_count: int) -> Any:
     """megatron's torch_dist save strategy, remembering (writer, global metadata) for our finalize."""
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
@@ -194,19 +186,20 @@ def begin_save(state: TrainState, ckpt_dir: str, *, fully_parallel: bool = False
     apply_cpu_compat()
     os.makedirs(ckpt_dir, exist_ok=True)  # every rank: no barrier needed, exist_ok is race-free
     t0 = time.perf_counter()
-    # One strategy per (state, layout) lives across saves: megatron-core then caches the save plan and the
-    # global metadata once two saves agree, and later saves skip the plan exchange. The sharding layout is
-    # validated on the first save only (it cannot change while the model lives).
-    key = (id(state), fully_parallel, thread_count)
-    first = key not in _STRATEGIES
+    # One strategy per model and save layout lives across saves (on the TrainState, so it goes with the
+    # model): megatron-core then caches the save plan and the global metadata once two saves agree, and
+    # later saves skip the plan exchange. The sharding layout is validated on the first save only (it
+    # cannot change while the model lives).
+    key = (fully_parallel, thread_count)
+    first = key not in state.save_strategies
     if first:
         base = _capturing_strategy(thread_count)
         strategy = base
         if fully_parallel:
             dp_cp = ps.get_data_parallel_group(with_context_parallel=True)
             strategy = FullyParallelSaveStrategyWrapper(base, dp_cp, do_cache_distribution=True)
-        _STRATEGIES[key] = (base, strategy)
-    base, strategy = _STRATEGIES[key]
+        state.save_strategies[key] = (base, strategy)
+    base, strategy = state.save_strategies[key]
     with _no_results_manager():
         request = dist_checkpointing.save(sharded_state(state), ckpt_dir, sharded_strategy=strategy,
                                           async_sharded_save=True, validate_access_integrity=first)

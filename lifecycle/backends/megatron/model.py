@@ -22,26 +22,21 @@ import torch.distributed as dist
 
 from lifecycle.backends.megatron.cpu_compat import apply_cpu_compat
 from lifecycle.errors import UsageError
+from lifecycle.handlers.options import MegatronGPTOptions
+from lifecycle.policy.sections import RunConfig
 
 logger = logging.getLogger(__name__)
+DEFAULT_SEED = RunConfig().seed
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelSpec:
-    """Shape and training hyper-parameters of the tiny GPT-MoE (defaults train in seconds on CPU)."""
+    """The model options of ``train.kind: megatron_gpt`` plus what the run adds (the seed) and two fixed
+    training constants. The options' defaults train in seconds on CPU."""
 
-    num_layers: int = 2
-    hidden: int = 64
-    ffn_hidden: int = 128
-    heads: int = 4
-    vocab: int = 128
-    seq_len: int = 32
-    micro_batch: int = 4
-    num_experts: int = 4
-    moe_router_topk: int = 2
-    dispatcher: str = "alltoall"  # "alltoall" or "allgather"
-    lr: float = 3e-3
-    seed: int = 1234  # drives the weights *and* the synthetic data stream
+    options: MegatronGPTOptions = field(default_factory=MegatronGPTOptions)
+    seed: int = DEFAULT_SEED
+    """Drives the weights *and* the synthetic data stream (the policy's run.seed)."""
     clip_grad: float = 1.0
     aux_loss_coeff: float = 1e-2
 
@@ -56,6 +51,8 @@ class TrainState:
     config: Any  # megatron.core.transformer.TransformerConfig
     step: int = 0
     sizes: dict[str, int] = field(default_factory=dict)
+    save_strategies: dict[tuple[bool, int], tuple[Any, Any]] = field(default_factory=dict)
+    """Cached (base, wrapped) save strategies by (fully_parallel, thread_count): see checkpoint.begin_save."""
 
     @property
     def gpt(self) -> Any:
@@ -82,10 +79,10 @@ def transformer_config(spec: ModelSpec, sizes: dict[str, int]) -> Any:
     from megatron.core.transformer import TransformerConfig
 
     return TransformerConfig(
-        num_layers=spec.num_layers, hidden_size=spec.hidden, ffn_hidden_size=spec.ffn_hidden,
-        num_attention_heads=spec.heads, num_moe_experts=spec.num_experts,
-        moe_ffn_hidden_size=spec.ffn_hidden, moe_router_topk=spec.moe_router_topk,
-        moe_token_dispatcher_type=spec.dispatcher, moe_grouped_gemm=False,
+        num_layers=spec.options.num_layers, hidden_size=spec.options.hidden, ffn_hidden_size=spec.options.ffn_hidden,
+        num_attention_heads=spec.options.heads, num_moe_experts=spec.options.num_experts,
+        moe_ffn_hidden_size=spec.options.ffn_hidden, moe_router_topk=spec.options.topk,
+        moe_token_dispatcher_type=spec.options.dispatcher, moe_grouped_gemm=False,
         moe_router_load_balancing_type="aux_loss" if spec.aux_loss_coeff else "none",
         moe_aux_loss_coeff=spec.aux_loss_coeff,
         tensor_model_parallel_size=sizes["tp"], pipeline_model_parallel_size=sizes["pp"],
@@ -124,15 +121,15 @@ def build(spec: ModelSpec) -> TrainState:
     torch.manual_seed(spec.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(spec.seed)
     config = transformer_config(spec, sizes)
-    layer_spec = get_gpt_layer_local_spec(num_experts=spec.num_experts, moe_grouped_gemm=False)
-    gpt = GPTModel(config=config, transformer_layer_spec=layer_spec, vocab_size=spec.vocab,
-                   max_sequence_length=spec.seq_len, position_embedding_type="learned_absolute")
+    layer_spec = get_gpt_layer_local_spec(num_experts=spec.options.num_experts, moe_grouped_gemm=False)
+    gpt = GPTModel(config=config, transformer_layer_spec=layer_spec, vocab_size=spec.options.vocab,
+                   max_sequence_length=spec.options.seq_len, position_embedding_type="learned_absolute")
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                use_distributed_optimizer=False)
     # No broadcast_params(): the seeding above already gives identical dp/edp replicas (checked), and
     # a broadcast would touch the dp and expert-dp groups at build time, hiding their lazy first use.
     model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=gpt)
-    opt_config = OptimizerConfig(optimizer="adam", lr=spec.lr, weight_decay=0.0, bf16=False, fp16=False,
+    opt_config = OptimizerConfig(optimizer="adam", lr=spec.options.lr, weight_decay=0.0, bf16=False, fp16=False,
                                  params_dtype=torch.float32, clip_grad=spec.clip_grad,
                                  use_distributed_optimizer=False)
     optimizer = get_megatron_optimizer(opt_config, [model])
@@ -146,10 +143,10 @@ def synthetic_batch(spec: ModelSpec, step: int, dp_rank: int) -> dict[str, torch
     of one tp group must pass the same dp_rank (they need identical inputs).
     """
     gen = torch.Generator().manual_seed(spec.seed * 1_000_003 + step * 1009 + dp_rank)
-    start = torch.randint(0, spec.vocab, (spec.micro_batch, 1), generator=gen)
-    offsets = torch.arange(spec.seq_len + 1).unsqueeze(0)
-    seq = (start + offsets) % spec.vocab
-    position_ids = torch.arange(spec.seq_len).unsqueeze(0).expand(spec.micro_batch, -1)
+    start = torch.randint(0, spec.options.vocab, (spec.options.micro_batch, 1), generator=gen)
+    offsets = torch.arange(spec.options.seq_len + 1).unsqueeze(0)
+    seq = (start + offsets) % spec.options.vocab
+    position_ids = torch.arange(spec.options.seq_len).unsqueeze(0).expand(spec.options.micro_batch, -1)
     return {"tokens": seq[:, :-1].contiguous(), "labels": seq[:, 1:].contiguous(),
             "position_ids": position_ids.contiguous()}
 

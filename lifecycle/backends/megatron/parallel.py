@@ -11,14 +11,18 @@ from __future__ import annotations
 
 import inspect
 import logging
+import sys
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from lifecycle.dist.layout import DEFAULT_ORDER, build_layout
-from lifecycle.dist.names import GROUP_NAMES
+from lifecycle.distributed.layout import DEFAULT_ORDER, build_layout
+from lifecycle.distributed.names import GROUP_NAMES
 from lifecycle.errors import PhaseError, UsageError
+
+if TYPE_CHECKING:
+    from lifecycle.policy.sections import ParallelismConfig
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +75,7 @@ def initialize(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, etp: int | No
 
     All ranks of the default group must call it, with the same arguments (it creates groups with
     ``new_group``, a collective on the default group). The sizes are checked first with
-    :func:`lifecycle.dist.layout.build_layout`, so a bad layout is a UsageError, not an assertion.
+    :func:`lifecycle.distributed.layout.build_layout`, so a bad layout is a UsageError, not an assertion.
     """
     if not dist.is_initialized():
         raise UsageError("initialize the default process group before the model-parallel groups")
@@ -151,3 +155,26 @@ def get_group(name: str) -> Any | None:
         # A rank in several pipeline groups (custom embedding layouts) gets a list: no single answer.
         return group if isinstance(group, dist.ProcessGroup) else None
     return None
+
+
+class MegatronParallel:
+    """:class:`lifecycle.distributed.parallel.ParallelState` over megatron-core's ``parallel_state``."""
+
+    def initialize(self, par: ParallelismConfig, timeout_s: float) -> None:
+        """Collective on the default group (see :func:`initialize`)."""
+        if not is_initialized():
+            initialize(par.tp, par.pp, par.cp, par.ep, par.etp, par.vpp, par.dist_opt_instances, timeout_s,
+                       order=par.order)
+
+    def is_initialized(self) -> bool:
+        return "megatron.core" in sys.modules and is_initialized()
+
+    def get_group(self, name: str) -> Any | None:
+        # Never the first import of megatron (seconds; the watchdog's listener may call this mid-step).
+        if name != "world" and "megatron.core" not in sys.modules:
+            return None
+        return get_group(name)
+
+    def destroy(self) -> None:
+        if "megatron.core" in sys.modules:
+            destroy()

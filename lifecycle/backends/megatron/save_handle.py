@@ -161,7 +161,7 @@ class SaveHandle:
 
     def _poll(self, store: Any, keys: list[str], deadline: float, timeout_s: float,
               missing_if_late: list[int] | None = None) -> None:
-        from lifecycle.dist.barrier import missing_keys
+        from lifecycle.distributed.barrier import missing_keys
 
         missing = missing_keys(store, keys, deadline - time.monotonic())
         if missing:

@@ -8,7 +8,7 @@ import time
 from _common import RANK, WORLD, init_gloo, note
 
 init_gloo()
-from lifecycle.dist.barrier import get_store, store_barrier  # noqa: E402
+from lifecycle.distributed.barrier import get_store, store_barrier  # noqa: E402
 
 store = get_store()
 store.set(f"pid/{RANK}", str(os.getpid()))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pydantic import Field, PositiveFloat, PositiveInt
 
-from lifecycle.phases.registry import HandlerSpec
+from lifecycle.handlers.registry import HandlerSpec
 from lifecycle.policy.base import Section
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from lifecycle.phases.base import RunContext
-from lifecycle.phases.options import SyntheticOptions
-from lifecycle.phases.train_synthetic import SyntheticStep
+from lifecycle.context import RunContext
+from lifecycle.handlers.options import SyntheticOptions
+from lifecycle.handlers.synthetic import SyntheticStep
 
 
 class AcmeWarmupStep(SyntheticStep):

@@ -1,0 +1,96 @@
+"""The per-rank state shared by the phases of one run: one typed dataclass.
+
+The worker builds it (policy, run directory, rank, events, drills, the model-parallel backend) and the
+orchestrator hands it to every phase. Fields that phases fill in as the run goes (the store, the
+resolved groups, the step handler, the pending save ...) start empty.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup, Store
+
+    from lifecycle.distributed.faults import Drills
+    from lifecycle.distributed.groups import ResolvedGroup
+    from lifecycle.distributed.parallel import ParallelState
+    from lifecycle.handlers.protocols import StepHandler
+    from lifecycle.obs.events import EventLog
+    from lifecycle.phases.checkpoint import PendingSave
+    from lifecycle.policy.schema import Policy
+    from lifecycle.watchdog.core import Watchdog
+
+PhaseHook = Callable[["RunContext", "str | None", str, bool], None]
+"""``hook(ctx, old_phase, new_phase, failure)``, run at every transition (all ranks, same order)."""
+
+
+@dataclass
+class StopState:
+    """Why and when the run should stop early."""
+
+    preempt_signal: str | None = None
+    """Signal name once a preemption signal arrived on this rank."""
+    stop_step: int | None = None
+    """The step all ranks agreed to stop at (after saving)."""
+
+
+@dataclass
+class RunContext:
+    """Per-rank state shared by the phases of one run."""
+
+    policy: Policy
+    run_dir: Path
+    rank: int
+    world_size: int
+    local_rank: int
+    events: EventLog
+    drills: Drills
+    parallel: ParallelState
+    """The model-parallel backend (Megatron's ``parallel_state`` in a real run)."""
+    store: Store | None = None
+    """The default group's store (set by init); barriers and checkpoint agreement use it."""
+    groups: list[ResolvedGroup] = field(default_factory=list)
+    """This rank's communicators resolved by warmup (names, process group, ranks)."""
+    step_handler: StepHandler | None = None
+    step: int = 0
+    """The last completed train step (0 before training; resume sets it)."""
+    stop: StopState = field(default_factory=StopState)
+    pending_save: PendingSave | None = None
+    """An async checkpoint not yet committed."""
+    saved: list[str] = field(default_factory=list)
+    """Committed checkpoint paths of this run."""
+    resumed_from: int | None = None
+    op_counts: Counter[str] = field(default_factory=Counter)
+    """Collectives issued per group label (for the sequence check)."""
+    warmup_s: dict[str, float] = field(default_factory=dict)
+    """Seconds spent warming each group label (for the exit event)."""
+    phase_hooks: list[PhaseHook] = field(default_factory=list)
+    """Run at every transition (all ranks, same order)."""
+    watchdog: Watchdog | None = None
+    ckpt_group: ProcessGroup | None = None
+    """The dedicated gloo group of ``checkpoint.coordination: gloo`` (created at the first save)."""
+    keys_taken: int = 0
+    """Store keys taken so far: ranks take them in plan order, so a rank with fewer is behind (the watchdog
+    publishes it)."""
+
+    def next_key(self, name: str) -> str:
+        """A store key unique per call and identical on every rank (calls happen in plan order)."""
+        self.keys_taken += 1
+        return f"lifecycle/{name}/{self.keys_taken - 1}"
+
+    def deadline(self, phase: str) -> float:
+        return self.policy.deadline(phase)
+
+    def require_store(self) -> Store:
+        """The store, or a clear error when init has not set it."""
+        if self.store is None:
+            from lifecycle.errors import PhaseError
+
+            raise PhaseError("no store: the default process group is not initialized on this rank",
+                             rank=self.rank)
+        return self.store

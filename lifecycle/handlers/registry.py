@@ -1,0 +1,112 @@
+"""Handler registry: handler kinds chosen by name from YAML, never by import path.
+
+A kind is registered with a :class:`HandlerSpec`: the phase it serves, a pydantic model for its
+options (validated at policy load, so it must import without torch) and a factory given here, in
+Python, as ``"module:attr"`` — the YAML only ever names the *kind*. Built-in kinds are listed below;
+installed packages add kinds through the entry-point group ``lifecycle.handlers``, whose objects are a
+``HandlerSpec`` or a list of them. Users can also call :func:`register` before loading a policy.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from typing import Any
+
+from pydantic import BaseModel
+
+from lifecycle.errors import PolicyError
+from lifecycle.handlers.options import MegatronGPTOptions, SyntheticOptions
+
+log = logging.getLogger(__name__)
+ENTRY_POINT_GROUP = "lifecycle.handlers"
+
+
+@dataclass(frozen=True)
+class HandlerSpec:
+    """A named handler kind for one phase."""
+
+    kind: str
+    phase: str
+    options: type[BaseModel]
+    factory: str
+    description: str = ""
+    source: str = field(default="built-in", compare=False)
+
+    def load(self) -> Any:
+        """Import and return the factory (this may import torch and megatron)."""
+        module, _, attr = self.factory.partition(":")
+        return getattr(importlib.import_module(module), attr)
+
+
+_BUILTINS = [
+    HandlerSpec("megatron_gpt", "train", MegatronGPTOptions,
+                "lifecycle.backends.megatron.step:MegatronGPTStep",
+                "a megatron-core GPTModel (MoE optional) with Megatron DDP and optimizer"),
+    HandlerSpec("synthetic", "train", SyntheticOptions,
+                "lifecycle.handlers.synthetic:SyntheticStep",
+                "a tiny torch model with a data-parallel all-reduce per step (no megatron)"),
+]
+_registry: dict[tuple[str, str], HandlerSpec] = {}
+_entry_points_loaded = False
+
+
+def register(spec: HandlerSpec, *, replace: bool = False) -> None:
+    """Register a handler kind. Raises if the kind exists for that phase, unless ``replace``."""
+    key = (spec.phase, spec.kind)
+    if key in _registry and not replace and _registry[key] != spec:
+        raise ValueError(f"handler kind '{spec.kind}' for phase '{spec.phase}' is already registered "
+                         f"by {_registry[key].source}")
+    _registry[key] = spec
+
+
+def _load_entry_points() -> None:
+    global _entry_points_loaded
+    if _entry_points_loaded:
+        return
+    _entry_points_loaded = True
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        dist = ep.dist.name if ep.dist is not None else "?"
+        try:
+            obj = ep.load()
+        except Exception as exc:  # noqa: BLE001 - a broken package must not break every policy
+            log.warning("handler entry point %s (%s) failed to load: %s", ep.name, dist, exc)
+            continue
+        specs = obj() if callable(obj) and not isinstance(obj, HandlerSpec) else obj
+        for spec in specs if isinstance(specs, list | tuple) else [specs]:
+            if not isinstance(spec, HandlerSpec):
+                log.warning("entry point %s (%s) gave %r, not a HandlerSpec", ep.name, dist, spec)
+                continue
+            register(HandlerSpec(spec.kind, spec.phase, spec.options, spec.factory,
+                                 spec.description, source=f"package {dist}"))
+
+
+def _ensure() -> None:
+    for spec in _BUILTINS:
+        _registry.setdefault((spec.phase, spec.kind), spec)
+    _load_entry_points()
+
+
+def kinds(phase: str) -> list[str]:
+    """Every registered kind for ``phase``, sorted."""
+    _ensure()
+    return sorted(k for p, k in _registry if p == phase)
+
+
+def get(phase: str, kind: str, *, path: str | None = None) -> HandlerSpec:
+    """The spec for ``kind``; a miss is a PolicyError listing the available names."""
+    _ensure()
+    spec = _registry.get((phase, kind))
+    if spec is None:
+        raise PolicyError.single(
+            path or f"{phase}.kind",
+            f"unknown {phase} handler kind; available names: {', '.join(kinds(phase))}", kind)
+    return spec
+
+
+def all_specs(phase: str) -> list[HandlerSpec]:
+    """Every registered spec of ``phase``."""
+    _ensure()
+    return [s for (p, _), s in sorted(_registry.items()) if p == phase]

@@ -1,0 +1,140 @@
+"""Why the watchdog reports: the :class:`Cause` of a report and the checks that find one.
+
+Each check is cheap and local or O(1) on the store: a phase deadline (no store call), the alarm key
+(one ``check``), the launcher's shutdown marker (one ``stat``), the heartbeat of two peers (two
+``add(key, 0)``), and, only while this rank sits in one op, a look at that op's small group for two
+ranks that wait for each other (a collective-sequence divergence). :func:`classify` sorts the errors
+that reach the failure path.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+from lifecycle.errors import HangError, LifecycleError
+from lifecycle.jsontypes import Json, JsonDict
+from lifecycle.rundir import read_marker
+from lifecycle.watchdog import diagnosis
+from lifecycle.watchdog.seqcheck import PROBE_MAX_GROUP, SequenceMismatch
+from lifecycle.watchdog.sidechannel import SideChannel
+from lifecycle.watchdog.tracker import ProgressTracker
+
+_PEER_SIGNS = ("Connection closed by peer", "Connection reset", "Broken pipe", "communicator was aborted")
+
+
+class Cause(NamedTuple):
+    """Why a report is due: kind (hang|dead|failed|sequence), one line, the rank it started on, its phase,
+    ranks known dead (rank -> how) and ranks the detector names (``hint``)."""
+
+    kind: str
+    detail: str
+    origin: int | None
+    phase: str | None
+    dead: dict[int, str] = {}
+    hint: list[int] = []
+
+    @property
+    def urgent(self) -> bool:
+        """Act at once: a hang or a divergence never resolves; a failed peer gets a grace to leave first."""
+        return self.kind in ("hang", "sequence")
+
+    def alarm(self, rank: int) -> JsonDict:
+        """The JSON this rank sets as the alarm."""
+        return {"rank": rank, "cause": self.kind, "detail": self.detail, "phase": self.phase,
+                "dead": {str(r): how for r, how in self.dead.items()}, "hint": self.hint, "t": time.time()}
+
+
+def deadline_passed(tracker: ProgressTracker, deadline_s: float, rank: int) -> Cause | None:
+    """No begin/end on this rank for the phase's deadline. No store call."""
+    phase, idle = tracker.phase, tracker.idle_s()
+    if idle < deadline_s:
+        return None
+    op = tracker.current()
+    where = f" (at {op.name} on group {op.group}, op #{op.seq} there)" if op else ""
+    return Cause("hang", f"rank {rank} made no progress for {idle:.1f}s{where}; the {phase} deadline is "
+                 f"{deadline_s:g}s", rank, phase)
+
+
+def from_alarm(ch: SideChannel, rank: int) -> Cause | None:
+    """Another rank's alarm, if one stands."""
+    info = ch.alarm()
+    if info is None or info.get("rank") == rank:
+        return None
+    dead = {int(r): how for r, how in (info.get("dead") or {}).items()}
+    return Cause(info["cause"], info["detail"], info.get("rank"), info.get("phase"), dead,
+                 [int(r) for r in info.get("hint") or []])
+
+
+def from_marker(run_dir: Path) -> Cause | None:
+    """The local launcher's shutdown marker: which rank ended, how, in which phase."""
+    info: Json = read_marker(run_dir)
+    if info is None:
+        return None
+    rank, how = info.get("rank"), info.get("how") or "ended"
+    if rank is None:
+        return Cause("dead", f"the launcher is stopping the job: {info.get('reason', '?')}", None, None)
+    return Cause("dead", f"rank {rank} ended ({how}); the launcher is stopping the job", int(rank),
+                 info.get("phase"), {int(rank): how})
+
+
+class Heartbeats:
+    """Watches the heartbeat counters of the ring neighbour and of rank 0 (two store calls per poll)."""
+
+    def __init__(self, rank: int, world: int, stale_s: float) -> None:
+        self.peers = sorted({(rank + 1) % world, 0} - {rank})
+        self.stale_s = stale_s
+        self._seen: dict[int, tuple[int, float]] = {}
+
+    def check(self, ch: SideChannel) -> Cause | None:
+        now = time.monotonic()
+        for peer in self.peers:
+            count = ch.beats(peer)
+            seen = self._seen.get(peer)
+            if count == 0 or seen is None or seen[0] != count:  # not started yet, or alive
+                self._seen[peer] = (count, now)
+                continue
+            if now - seen[1] <= self.stale_s:
+                continue
+            rec = ch.record(peer)
+            if rec is not None and rec.get("state") != "running":
+                self._seen[peer] = (count, float("inf"))  # it left (exited or failed): not dead
+                continue
+            how = f"no heartbeat for {now - seen[1]:.1f}s"
+            return Cause("dead", f"rank {peer} stopped sending heartbeats ({how}): dead or stopped", peer,
+                         (rec or {}).get("phase"), {peer: how})
+        return None
+
+
+def crossed_wait(tracker: ProgressTracker, ch: SideChannel, rank: int, world: int) -> Cause | None:
+    """This rank and a member of its op's group each blocked in an op the other has not begun.
+
+    Reads the records of that group (at most ``PROBE_MAX_GROUP`` ranks); the caller rate-limits it.
+    """
+    op = tracker.waiting_in()
+    if op is None:
+        return None
+    members = op.ranks or (list(range(world)) if op.group in diagnosis.ALL_RANKS else [])
+    if not members or len(members) > PROBE_MAX_GROUP:
+        return None
+    found = diagnosis.crossed(rank, op, tracker.record()["begun"], ch.records([m for m in members if m != rank]),
+                              world)
+    return Cause("sequence", found[0], rank, tracker.phase, {}, found[1]) if found else None
+
+
+def classify(exc: BaseException) -> str:
+    """hang | peer (a peer's connection broke) | shutdown (the launcher stops the job) | sequence | failed."""
+    if isinstance(exc, HangError):
+        return "hang"
+    if isinstance(exc, SequenceMismatch):
+        return "sequence"
+    if type(exc).__name__ == "Shutdown":
+        return "shutdown"
+    text = f"{exc} {exc.__cause__ or ''}"
+    if any(sign in text for sign in _PEER_SIGNS):
+        return "peer"
+    if not isinstance(exc, LifecycleError) and ("timed out" in text.lower()
+                                                 or type(exc).__name__ == "DistStoreError"):
+        return "hang"
+    return "failed"

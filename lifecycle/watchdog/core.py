@@ -1,0 +1,281 @@
+"""The watchdog: one thread per rank that turns a silent hang or a dead peer into a report and an exit.
+
+It never uses a process group (a hung communicator cannot report on itself): progress goes through
+the side channel (:mod:`lifecycle.watchdog.sidechannel`, its own TCPStore clients). The training thread
+only updates a local slot (:class:`~lifecycle.watchdog.tracker.ProgressTracker`, fed by the EventLog); the
+watchdog thread publishes it every ``poll_interval_s`` with a heartbeat: O(1) store calls per rank
+per poll, none per step on the training thread.
+
+What it reacts to, at every poll:
+
+1. a **deadline**: no begin/end event on this rank for ``watchdog.deadlines.<phase>`` seconds
+   (``step`` in train: one step; ``warmup``: one op...). It wakes up exactly at the deadline;
+2. the **alarm** key: another rank detected a hang, failed or saw a peer die;
+3. the local launcher's **shutdown marker** (``run_dir/.shutdown``): a rank ended, the job is stopping;
+4. a watched peer's **heartbeat** stopped for ``heartbeat_stale_s`` (ring neighbour and rank 0);
+5. while this rank sits in one op: a member of that op's group blocked in an op this rank has not
+   begun, while this rank's op is one that member has not begun: a collective-sequence divergence
+   (a skipped or extra collective), named at once instead of at the deadline.
+
+Then: one report on every rank (stderr, ``[rank N]``), ``hang_report.json`` from the lowest live rank,
+all Python thread stacks into the rank log (faulthandler), a ``hang_report`` event, and the policy's
+action. ``abort`` aborts the process groups and exits at once with ``exit_codes.hang`` for a hang
+(``rank_failed`` for a divergence); when a peer failed or died it exits with ``exit_codes.rank_failed``
+after a short grace, so that the failed rank leaves first (the launcher then names it as the first
+failure) and the training thread may still leave through the failure path. ``report`` only reports. A
+hang in teardown is only reported: the hard deadline (``teardown.deadline_s``) owns that exit.
+
+The failure path calls :meth:`Watchdog.on_failure` so the same report appears when the training thread
+itself hit a timeout or a broken connection, and so peers learn about this rank's failure at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
+
+from lifecycle.errors import HangError
+from lifecycle.jsontypes import JsonDict
+from lifecycle.watchdog import causes, diagnosis
+from lifecycle.watchdog.causes import Cause
+from lifecycle.watchdog.members import members_of
+from lifecycle.watchdog.report import publish
+from lifecycle.watchdog.sidechannel import SideChannel, connect
+from lifecycle.watchdog.tracker import ProgressTracker
+
+if TYPE_CHECKING:
+    from lifecycle.context import RunContext
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+FULL_VIEW_MAX = 1024  # above this world size a rank reads only the records it needs for its own line
+
+
+class Watchdog:
+    """Per-rank watchdog. ``start()`` before the orchestrator runs, ``stop()`` when the run returns."""
+
+    def __init__(self, ctx: RunContext) -> None:
+        self.ctx, self.cfg = ctx, ctx.policy.watchdog
+        self.rank, self.world = ctx.rank, ctx.world_size
+        self.progress = ProgressTracker(ctx.rank, extra=self._extra, members=lambda label: members_of(ctx, label))
+        self.failing = False
+        self.reported: diagnosis.Diagnosis | None = None
+        self.grace_s = max(1.0, 2 * self.cfg.poll_interval_s)
+        self._stop = threading.Event()
+        self._report_lock = threading.Lock()
+        self._main_lock = threading.Lock()
+        self._channel: SideChannel | None = None
+        self._main: SideChannel | None = None
+        self._beats = causes.Heartbeats(self.rank, self.world, self.cfg.heartbeat_stale_s)
+        self._next_probe = 0.0
+        self._thread = threading.Thread(target=self._run, name="lifecycle-watchdog", daemon=True)
+
+    # ---- life cycle -------------------------------------------------------------------------
+    def start(self) -> Watchdog:
+        # Import torch.distributed here, on the training thread: two threads importing torch modules at
+        # once can deadlock or abort (pybind "type already defined"); the watchdog thread imports nothing.
+        import torch.distributed  # noqa: F401
+
+        self.ctx.events.listeners.append(self.progress.on_event)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """The run returned: publish ``exited`` (peers must not take this rank for dead) and stop."""
+        self.progress.set_state("exited" if not self.failing else "failed", self.progress.error)
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.cfg.poll_interval_s + 2.0)
+        if self.progress.on_event in self.ctx.events.listeners:
+            self.ctx.events.listeners.remove(self.progress.on_event)
+
+    def _run(self) -> None:
+        try:
+            store = connect(self.ctx.deadline("init"))
+            if store is not None:
+                self._channel = SideChannel(store, self.ctx.policy.run.id)
+                self._main = self._channel.clone()
+                self._channel.announce(self.rank, self.progress.record())
+        except Exception as exc:  # noqa: BLE001 - deadlines are still watched locally
+            log.warning("watchdog: no side channel (%s); peers will not be diagnosed", exc)
+        while not self._stop.is_set():
+            self._tick()
+            self._stop.wait(self._sleep_s())
+        self._safe(lambda ch: ch.publish(self.rank, self.progress.record()), self._channel)
+
+    def _sleep_s(self) -> float:
+        """Until the next poll, or exactly until this rank's deadline passes if that comes first."""
+        if self.reported is not None or self.failing:
+            return self.cfg.poll_interval_s  # only heartbeats from now on
+        left = self.ctx.deadline(self.progress.phase) - self.progress.idle_s()
+        return max(min(self.cfg.poll_interval_s, left), 0.01)
+
+    def _tick(self) -> None:
+        ch = self._channel
+        self._safe(self._publish_and_beat, ch)
+        if self.failing or self.reported is not None:
+            return
+        cause = (causes.deadline_passed(self.progress, self.ctx.deadline(self.progress.phase), self.rank)
+                 or self._safe(lambda c: causes.from_alarm(c, self.rank), ch)
+                 or causes.from_marker(self.ctx.run_dir) or self._safe(self._beats.check, ch)
+                 or self._safe(self._crossed, ch))
+        if cause is not None:
+            self.fire(cause, ch)
+
+    def _publish_and_beat(self, ch: SideChannel) -> int:
+        ch.publish(self.rank, self.progress.record())
+        return ch.beat(self.rank)
+
+    def _crossed(self, ch: SideChannel) -> Cause | None:
+        # Only while this rank sits in one op for two polls, then every four: O(1) store calls otherwise.
+        poll = self.cfg.poll_interval_s
+        if self.progress.idle_s() < 2 * poll or time.monotonic() < self._next_probe:
+            return None
+        self._next_probe = time.monotonic() + 4 * poll
+        return causes.crossed_wait(self.progress, ch, self.rank, self.world)
+
+    def _safe(self, fn: Callable[[SideChannel], T], ch: SideChannel | None) -> T | None:
+        if ch is None:
+            return None
+        try:
+            return fn(ch)
+        except Exception as exc:  # noqa: BLE001 - a dead store must not kill the watchdog
+            log.debug("watchdog store call failed: %r", exc)
+            return None
+
+    # ---- report and act -----------------------------------------------------------------------
+    def fire(self, cause: Cause, ch: SideChannel | None) -> None:
+        """Report ``cause`` (once per rank) and run the policy action (watchdog thread)."""
+        if cause.origin == self.rank:
+            self._safe(lambda c: c.raise_alarm(cause.alarm(self.rank)), ch)
+        if self.report(cause, ch) is None or self.cfg.action != "abort":
+            return
+        if cause.kind == "hang" and self.progress.phase == "teardown":
+            return  # a hang in teardown: its hard deadline (teardown.deadline_s) owns the exit
+        if not cause.urgent and self._stop.wait(self.grace_s):
+            return  # the run ended by itself during the grace
+        if self.failing:
+            return  # the failure path is running; teardown's hard deadline bounds it
+        codes = self.ctx.policy.teardown.exit_codes
+        self.progress.set_state("aborted", f"watchdog: {cause.kind}")
+        self._safe(lambda c: c.publish(self.rank, self.progress.record()), ch)
+        abort_and_exit(self.ctx, codes.hang if cause.kind == "hang" else codes.rank_failed)
+
+    def report(self, cause: Cause, ch: SideChannel | None) -> diagnosis.Diagnosis | None:
+        """Build, print and record the report; None if this rank already reported."""
+        # Held while publishing: the other thread must not close the event log under a report.
+        with self._report_lock:
+            if self.reported is not None:
+                return None
+            d = self.reported = self._diagnose(cause, ch)
+            publish(self.ctx, d, dump_stacks=cause.kind in ("hang", "dead"))
+        return d
+
+    def _diagnose(self, cause: Cause, ch: SideChannel | None) -> diagnosis.Diagnosis:
+        records: dict[int, JsonDict | None] = {}
+        if not cause.urgent:
+            # Peers that still move publish once per poll: give them one to show where the failure found them.
+            time.sleep(min(self.cfg.poll_interval_s, 0.5))
+        if ch is not None:
+            try:
+                records = ch.records(self._ranks_to_read(cause))
+            except Exception as exc:  # noqa: BLE001 - report what this rank knows
+                log.warning("watchdog: cannot read peer records: %s", exc)
+        records[self.rank] = self.progress.record()
+        dead = dict(cause.dead)
+        marker = causes.from_marker(self.ctx.run_dir)
+        if marker is not None:  # a rank that left through its own failure path or watchdog is not "dead"
+            dead.update({r: how for r, how in marker.dead.items()
+                         if (records.get(r) or {}).get("state", "running") == "running"})
+        now = time.time()
+        dead.update({r: how for r, how in diagnosis.stale_ranks(records, now, self.cfg.heartbeat_stale_s).items()
+                     if r not in dead})
+        return diagnosis.diagnose(cause.kind, cause.detail, records, self.world, dead=dead, origin=cause.origin,
+                                  phase=cause.phase or self.progress.phase, hint=cause.hint, now=now)
+
+    def _ranks_to_read(self, cause: Cause) -> list[int]:
+        if self.world <= FULL_VIEW_MAX:
+            return list(range(self.world))
+        op = self.progress.current()
+        mine = (op.ranks or []) if op else []
+        named = {cause.origin} if cause.origin is not None else set()
+        return sorted(set(mine[:256]) | set(cause.dead) | {0, self.rank} | named)
+
+    # ---- the failure path (training thread) ---------------------------------------------------
+    def on_failure(self, exc: BaseException) -> BaseException:
+        """The orchestrator is taking the failure edge: tell peers, report, return the error to raise.
+
+        A torch timeout becomes a :class:`HangError` naming the stuck ranks (exit code ``hang``).
+        """
+        self.failing = True
+        try:
+            return self._on_failure(exc)
+        except Exception as err:  # noqa: BLE001 - the original failure is what matters
+            log.warning("watchdog: failure report failed: %s", err)
+            return exc
+
+    def _on_failure(self, exc: BaseException) -> BaseException:
+        kind = causes.classify(exc)
+        text = f"{type(exc).__name__}: {exc}"[:600]
+        phase = self.progress.phase
+        self.progress.set_state("failed", text)
+        with self._main_lock:
+            ch = self._main
+            self._safe(lambda c: c.publish(self.rank, self.progress.record()), ch)
+            if kind in ("peer", "shutdown"):
+                cause = self._origin(ch) or Cause("dead", text, None, phase)
+            else:
+                hint = list(getattr(exc, "ranks", None) or getattr(exc, "missing", None) or [])
+                detail = {"failed": f"rank {self.rank} raised {text}", "sequence": str(exc)}.get(
+                    kind, f"rank {self.rank}: {text}")
+                cause = Cause(kind, detail, self.rank, phase, {}, hint)
+                self._safe(lambda c: c.raise_alarm(cause.alarm(self.rank)), ch)
+            d = self.report(cause, ch) or self.reported
+        if kind == "hang" and not isinstance(exc, HangError) and d is not None:
+            return HangError(f"{exc} [watchdog: stuck ranks {d.culprits}]", missing=d.culprits, phase=phase,
+                             rank=self.rank)
+        return exc
+
+    def _origin(self, ch: SideChannel | None) -> Cause | None:
+        """Who failed first (the alarm or the launcher's marker), waiting up to the grace for the news."""
+        deadline = time.monotonic() + self.grace_s
+        while True:
+            cause = self._safe(lambda c: causes.from_alarm(c, self.rank), ch) or causes.from_marker(self.ctx.run_dir)
+            if cause is not None or time.monotonic() > deadline:
+                return cause
+            time.sleep(0.02)
+
+    def peer_records(self, ranks: list[int]) -> dict[int, JsonDict | None]:
+        """The last published records of ``ranks`` (training thread; empty without a side channel)."""
+        with self._main_lock:
+            return self._safe(lambda c: c.records(ranks), self._main) or {}
+
+    # ---- fields the record takes from the run context (watchdog thread) -----------------------
+    def _extra(self) -> JsonDict:
+        return {"ops": dict(self.ctx.op_counts), "sync": self.ctx.keys_taken}
+
+
+def abort_and_exit(ctx: RunContext, code: int) -> None:
+    """Abort every process group (bounded: a helper thread, 2 s), close the event log and leave."""
+    def abort() -> None:
+        try:
+            import torch.distributed.distributed_c10d as c10d
+
+            if c10d.is_initialized() and hasattr(c10d, "_abort_process_group"):
+                c10d._abort_process_group()
+        except Exception as exc:  # noqa: BLE001 - not every backend can abort
+            log.debug("abort: %s", exc)
+
+    helper = threading.Thread(target=abort, name="lifecycle-abort", daemon=True)
+    helper.start()
+    helper.join(2.0)
+    ctx.events.instant("exit", exit_code=code, step=ctx.step, by="watchdog")
+    ctx.events.close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -1,0 +1,87 @@
+"""Where a watchdog report goes: stderr of every rank, ``hang_report.json``, the events, the stacks.
+
+Every rank prints its own view (what it waits for, who is stuck) as one block of ``[rank N]`` lines on
+stderr, which the launchers put in the rank's log. The lowest rank that is not dead writes the full
+diagnosis (every rank's last record) to ``run_dir/hang_report.json``. On NCCL the report also points
+at (and, where torch allows, writes) the Flight Recorder dump of this rank.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from lifecycle.jsontypes import JsonDict
+from lifecycle.rundir import HANG_REPORT
+from lifecycle.watchdog import diagnosis
+
+if TYPE_CHECKING:
+    from lifecycle.context import RunContext
+
+log = logging.getLogger(__name__)
+
+
+def reporter(d: diagnosis.Diagnosis, world: int) -> int:
+    """The rank that writes ``hang_report.json``: rank 0, or the lowest rank not known to be dead."""
+    return min((r for r in range(world) if r not in d.dead), default=0)
+
+
+def publish(ctx: RunContext, d: diagnosis.Diagnosis, *, dump_stacks: bool) -> None:
+    """Print the report on this rank, record a ``hang_report`` event, write the JSON on the reporter."""
+    path = Path(ctx.run_dir) / HANG_REPORT
+    writer = reporter(d, ctx.world_size)
+    extra = [f"  full report: {path}" + ("" if writer == ctx.rank else f" (written by rank {writer})")]
+    fr = flight_recorder(ctx)
+    if fr:
+        extra.append(f"  NCCL flight recorder: {fr}")
+    if writer == ctx.rank:
+        _write_json(path, {**d.to_json(), "reporter": ctx.rank, "world_size": ctx.world_size,
+                           "flight_recorder": fr})
+    print(diagnosis.render(d, ctx.rank, extra=extra), file=sys.stderr, flush=True)
+    ctx.events.instant("hang_report", cause=d.cause, detail=d.detail[:500], origin=d.origin,
+                       culprits=d.culprits[:64], dead=sorted(d.dead)[:64], report=str(path))
+    ctx.events.flush()
+    if dump_stacks:
+        print(f"[rank {ctx.rank}] Python stacks of every thread (faulthandler):", file=sys.stderr, flush=True)
+        try:
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        except (OSError, ValueError, AttributeError):  # stderr without a file descriptor
+            pass
+
+
+def _write_json(path: Path, data: JsonDict) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(data, indent=1, default=str))
+        tmp.replace(path)  # atomic: a reader never sees half a report
+    except OSError as exc:
+        log.warning("cannot write %s: %s", path, exc)
+
+
+def flight_recorder(ctx: RunContext) -> str | None:
+    """NCCL only: this rank's Flight Recorder dump path (dumped now when torch can), else None."""
+    if not ctx.policy.distributed.flight_recorder.enabled or "torch.distributed" not in sys.modules:
+        return None
+    import torch.distributed as dist
+
+    try:
+        if not dist.is_initialized() or "nccl" not in str(dist.get_backend()).lower():
+            return None
+    except Exception:  # noqa: BLE001 - half-initialized groups
+        return None
+    base = os.environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "/tmp/nccl_trace_rank_")
+    target = f"{base}{ctx.rank}"
+    try:
+        import torch._C._distributed_c10d as c10d_c
+
+        dump = getattr(c10d_c, "_dump_nccl_trace", None)
+        if dump is not None:
+            Path(target).write_bytes(dump())
+    except Exception as exc:  # noqa: BLE001 - the automatic dump on timeout still happens
+        log.debug("flight recorder dump failed: %s", exc)
+    return target + " (TORCH_NCCL_DUMP_ON_TIMEOUT also dumps there on an NCCL timeout)"

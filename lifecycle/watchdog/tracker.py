@@ -1,0 +1,148 @@
+"""This rank's progress as the watchdog sees it: a local slot fed by the EventLog, read by the watchdog thread.
+
+The EventLog calls :meth:`ProgressTracker.on_event` for every event it records, on the thread that emits it
+(the training thread). The work there is O(1) and touches no store and no file: a lock, a counter and a
+tuple. The watchdog thread takes a :meth:`ProgressTracker.record` snapshot at every poll and publishes it.
+
+What is tracked (all from ``begin``/``end`` span events):
+
+- the phase (``phase`` of the latest event) and the train step;
+- the open spans (``init_process_group``, ``warm:all_reduce``, ``step``, ``save`` ...), innermost last;
+- per group label, how many spans this rank has *begun* on that group (its sequence number there).
+  Spans without a group count on ``world``: every rank runs them in the same order (plan order), so
+  on any group, a member whose count is below mine has not reached the op I am in;
+- the time of the last begin/end (the watchdog measures the phase deadline from it).
+
+Phase begins (``phase:<name>``) count as ``world`` ops too, so a rank stuck at a phase entry is seen
+behind the ranks that already started the phase's first op.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import NamedTuple
+
+from lifecycle.jsontypes import Json, JsonDict
+
+WORLD = "world"
+
+
+class Op(NamedTuple):
+    """One begun span: its name, group label, sequence number on that group, step, member ranks (or None)."""
+
+    name: str
+    group: str
+    seq: int
+    step: int | None
+    ranks: list[int] | None
+
+    def short(self) -> list[Json]:
+        return [self.name, self.group, self.seq, self.step]
+
+
+class ProgressTracker:
+    """The progress slot of one rank (thread-safe; ``on_event`` is the only writer of the op state)."""
+
+    def __init__(self, rank: int, *, extra: Callable[[], JsonDict] | None = None,
+                 members: Callable[[str], list[int] | None] | None = None) -> None:
+        self.rank = rank
+        self.extra = extra
+        """Called at snapshot time (watchdog thread) for fields read from elsewhere (op counts, store keys)."""
+        self.members = members
+        """Member ranks of a group label, for spans whose event has no ``ranks``; called once per label,
+        on the thread that emits the span (never on the watchdog thread: it must not import or call
+        into torch/megatron while the training thread may be importing them)."""
+        self._members: dict[str, list[int] | None] = {WORLD: None, "store": None}
+        self._lock = threading.Lock()
+        self.phase = "init"
+        self.step: int | None = None
+        self.open: list[Op] = []
+        self.last: Op | None = None
+        self.broken: Op | None = None
+        self.begun: Counter[str] = Counter()
+        self.t_progress = time.monotonic()
+        self.state = "running"
+        self.error: str | None = None
+
+    def on_event(self, event: JsonDict) -> None:
+        """EventLog listener: O(1), no I/O."""
+        kind = event["kind"]
+        if kind != "begin" and kind != "end":
+            return
+        name = event["name"]
+        now = time.monotonic()
+        with self._lock:
+            if self.state != "running":
+                return  # keep the position where this rank failed (its teardown is not progress)
+            self.phase = event["phase"]
+            self.step = event.get("step")
+            self.t_progress = now
+            if kind == "end":
+                closed = self._close(name)
+                if closed is not None and event.get("outcome", "ok") != "ok":
+                    self.broken = closed  # an op left by an exception is where this rank was stuck
+                return
+            self.broken = None
+            group = event.get("group") or WORLD
+            seq = self.begun[group] + 1
+            self.begun[group] = seq
+            op = Op(name, group, seq, self.step, event.get("ranks") or self._ranks(group))
+            self.last = op
+            if not name.startswith("phase:"):
+                self.open.append(op)
+
+    def _ranks(self, group: str) -> list[int] | None:
+        if group not in self._members:
+            try:
+                self._members[group] = self.members(group) if self.members is not None else None
+            except Exception:  # noqa: BLE001 - a listener must never break the training thread
+                self._members[group] = None
+        return self._members[group]
+
+    def _close(self, name: str) -> Op | None:
+        for i in range(len(self.open) - 1, -1, -1):
+            if self.open[i].name == name:
+                op = self.open[i]
+                del self.open[i:]
+                return op
+        return None
+
+    def set_state(self, state: str, error: str | None = None) -> None:
+        with self._lock:
+            self.state, self.error = state, error
+
+    def idle_s(self) -> float:
+        """Seconds since the last begin/end on this rank."""
+        return time.monotonic() - self.t_progress
+
+    def _op(self) -> Op | None:
+        return self.open[-1] if self.open else self.broken
+
+    def waiting_in(self) -> Op | None:
+        """The innermost open span (None between ops or after a failure)."""
+        with self._lock:
+            return self.open[-1] if self.open and self.state == "running" else None
+
+    def current(self) -> Op | None:
+        """The innermost open span (or the one an exception left), else the last one begun."""
+        with self._lock:
+            return self._op() or self.last
+
+    def record(self) -> JsonDict:
+        """A JSON-able snapshot for the store (the watchdog thread calls it at every poll)."""
+        with self._lock:
+            op = self._op()
+            shown = op or self.last
+            rec: JsonDict = {
+                "rank": self.rank, "state": self.state, "phase": self.phase, "step": self.step,
+                "op": op.short() if op else None, "last": self.last.short() if self.last else None,
+                "ranks": shown.ranks if shown is not None else None,
+                "begun": dict(self.begun), "idle_s": round(time.monotonic() - self.t_progress, 3),
+                "t": time.time(), "error": self.error,
+            }
+        if self.extra is not None:
+            rec.update(self.extra())
+        return rec

@@ -1,0 +1,167 @@
+"""The pure-Python group layout: known layouts, errors, speed at 16k ranks, and Megatron as the oracle."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from lifecycle.distributed.layout import build_layout
+from lifecycle.distributed.names import GROUP_NAMES
+from lifecycle.errors import UsageError
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def test_tp2_pp2_ep2_world8_rank5() -> None:
+    lay = build_layout(8, tp=2, pp=2, ep=2)
+    assert (lay.dp, lay.edp, lay.etp) == (2, 1, 2)
+    assert lay.ranks_of("tp", 5) == [4, 5]
+    assert lay.ranks_of("dp", 5) == [5, 7]
+    assert lay.ranks_of("pp", 5) == [1, 5]
+    assert lay.ranks_of("mp", 5) == [0, 1, 4, 5]
+    assert lay.ranks_of("ep", 5) == [5, 7]
+    assert lay.ranks_of("edp", 5) == [5]
+    assert lay.ranks_of("tp_ep", 5) == [4, 5, 6, 7]
+    assert lay.ranks_of("embd", 5) == [1, 5]
+    assert lay.ranks_of("pos_embd", 5) is None  # last stage: Megatron gives it no such group
+    assert lay.ranks_of("pos_embd", 1) == [1]
+    assert lay.ranks_of("inter_dist_opt", 5) is None
+    assert lay.groups("inter_dist_opt") == []
+    assert lay.groups("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert lay.groups("dp_gloo") == lay.groups("dp")
+
+
+def test_middle_pipeline_stage_has_no_embedding_group() -> None:
+    lay = build_layout(4, pp=4)
+    assert lay.groups("embd") == [[0, 3]]
+    assert [lay.ranks_of("embd", r) for r in range(4)] == [[0, 3], None, None, [0, 3]]
+    assert build_layout(2).groups("embd") == [[0], [1]]  # pp = 1: every rank embeds alone
+
+
+def test_distributed_optimizer_instances() -> None:
+    lay = build_layout(8, ep=2, dist_opt_instances=2)  # edp = 4, two instances of 2
+    assert lay.groups("edp") == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert lay.groups("intra_edp") == [[0, 2], [4, 6], [1, 3], [5, 7]]
+    assert lay.groups("inter_dist_opt") == [[0, 4], [2, 6], [1, 5], [3, 7]]
+    assert lay.groups("intra_dist_opt") == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert lay.ranks_of("inter_dist_opt", 6) == [2, 6]
+
+
+def test_distinct_groups_merge_aliases() -> None:
+    lay = build_layout(4, tp=2, ep=2)
+    distinct = dict((tuple(names), ranks) for names, ranks in lay.distinct_groups_of(1))
+    assert distinct[("world", "tp_dp", "tp_dp_cp", "tp_ep", "tp_ep_pp", "intra_dist_opt")] == [0, 1, 2, 3]
+    assert distinct[("dp", "dp_cp", "ep", "dp_gloo", "dp_cp_gloo")] == [1, 3]
+    named = [n for names, _ in lay.distinct_groups_of(1) for n in names]
+    assert sorted(named) == sorted(n for n in GROUP_NAMES if n not in ("inter_dist_opt",))
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"world_size": 6, "tp": 2, "pp": 2}, r"world size 6 is not divisible by tp\*pp\*cp = 4 \(tp=2, pp=2, cp=1\)"),
+    ({"world_size": 8, "tp": 2, "ep": 8}, r"world size 8 is not divisible by etp\*ep\*pp = 16"),
+    ({"world_size": 8, "tp": 4, "dist_opt_instances": 4}, r"dp\*cp 2 is not divisible by dist_opt_instances = 4"),
+    ({"world_size": 8, "ep": 4, "dist_opt_instances": 4}, r"expert dp .* 2 is not divisible"),
+    ({"world_size": 8, "tp": 0}, r"integers >= 1"),
+    ({"world_size": 8, "ep": 2, "order": "tp-pp-dp"}, r"lacks \['ep'\]"),
+    ({"world_size": 8, "order": "tp-xp-dp"}, r"must be distinct dims"),
+    ({"world_size": 8, "pp": 2, "ep": 2, "order": "tp-cp-ep-pp-dp"}, r"dp \(4\) must equal expert dp \(2\)"),
+])
+def test_impossible_layouts_raise_usage_error(kwargs: dict, match: str) -> None:
+    with pytest.raises(UsageError, match=match):
+        build_layout(**kwargs)
+
+
+def test_bad_name_and_rank() -> None:
+    lay = build_layout(4)
+    with pytest.raises(UsageError, match="did you mean 'edp'"):
+        lay.ranks_of("edpp", 0)
+    with pytest.raises(UsageError, match="rank 4 is outside world size 4"):
+        lay.ranks_of("tp", 4)
+
+
+def test_16384_ranks_is_fast() -> None:
+    start = time.perf_counter()
+    lay = build_layout(16384, tp=8, pp=8, ep=8, dist_opt_instances=2)
+    for rank in (0, 9999, 16383):
+        for name in GROUP_NAMES:
+            lay.ranks_of(name, rank)
+        lay.distinct_groups_of(rank)
+    assert time.perf_counter() - start < 2.0
+    assert lay.ranks_of("tp_ep_pp", 9999) == sorted(lay.ranks_of("tp_ep_pp", 9999) or [])
+    assert len(lay.ranks_of("intra_dist_opt", 0) or []) == 16384 // 2
+
+
+def test_explain_path_does_not_import_torch() -> None:
+    code = ("import sys, lifecycle.distributed.layout as L; L.build_layout(64, tp=2, pp=2, ep=4).groups('edp');"
+            "assert 'torch' not in sys.modules and 'megatron' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=60)
+
+
+# Megatron's own initialize_model_parallel as the oracle, without processes: its group factory is
+# swapped for one that records (kind, ranks). Sorted ranks = the communicator order of new_group.
+_DESC = {
+    "DATA_PARALLEL_GROUP_WITH_CP": "dp_cp", "DATA_PARALLEL_GROUP_WITH_CP_GLOO": "dp_cp_gloo",
+    "DATA_PARALLEL_GROUP": "dp", "DATA_PARALLEL_GROUP_GLOO": "dp_gloo", "CONTEXT_PARALLEL_GROUP": "cp",
+    "MODEL_PARALLEL_GROUP": "mp", "TENSOR_MODEL_PARALLEL_GROUP": "tp",
+    "PIPELINE_MODEL_PARALLEL_GROUP": "pp", "EMBEDDING_GROUP": "embd",
+    "POSITION_EMBEDDING_GROUP": "pos_embd", "TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP": "tp_dp_cp",
+    "TENSOR_AND_DATA_PARALLEL_GROUP": "tp_dp", "TENSOR_AND_CONTEXT_PARALLEL_GROUP": "tp_cp",
+    "EXPERT_MODEL_PARALLEL_GROUP": "ep", "EXPERT_TENSOR_PARALLEL_GROUP": "etp",
+    "EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP": "tp_ep",
+    "EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP": "tp_ep_pp", "EXPERT_DATA_PARALLEL_GROUP": "edp",
+    "EXPERT_DATA_PARALLEL_GROUP_GLOO": "edp_gloo",
+    "HIERARCHICAL_EXPERT_DATA_PARALLEL_GROUP_L0": "intra_edp",
+    "HIERARCHICAL_EXPERT_DATA_PARALLEL_GROUP_L1": "inter_dist_opt",
+    "INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP": "intra_dist_opt",
+}
+
+
+def _megatron_groups(monkeypatch: pytest.MonkeyPatch, world: int, **sizes: object) -> dict:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    made: dict[str, list[list[int]]] = {"world": [list(range(world))]}
+
+    def record(ranks: list[int], group_desc: str | None = None, **_: object) -> object:
+        if group_desc in _DESC:
+            made.setdefault(_DESC[group_desc], []).append(sorted(ranks))
+        return object()
+
+    with monkeypatch.context() as m:
+        m.setattr(ps, "create_group", record)
+        m.setattr(dist, "is_initialized", lambda: True)
+        m.setattr(dist, "get_world_size", lambda *a, **k: world)
+        m.setattr(dist, "get_rank", lambda *a, **k: 0)
+        try:
+            ps.initialize_model_parallel(**sizes)  # type: ignore[arg-type]
+        finally:
+            ps.destroy_model_parallel()
+    made.setdefault("intra_edp", made["edp"])  # one instance: Megatron reuses the edp group
+    return made
+
+
+@pytest.mark.parametrize(("world", "tp", "pp", "cp", "ep", "etp", "inst", "order"), [
+    (8, 2, 2, 1, 2, None, 1, "tp-cp-ep-dp-pp"),
+    (16, 2, 2, 2, 2, 1, 2, "tp-cp-ep-dp-pp"),
+    (24, 1, 3, 2, 4, 2, 1, "tp-cp-ep-dp-pp"),
+    (32, 2, 2, 1, 4, 1, 4, "tp-cp-ep-dp-pp"),
+    (16, 2, 2, 1, 2, 1, 2, "tp-cp-ep-pp-dp"),
+    (12, 2, 3, 1, 1, None, 2, "tp-pp-dp"),
+])
+def test_matches_megatron_rank_generator(monkeypatch: pytest.MonkeyPatch, world: int, tp: int,
+                                         pp: int, cp: int, ep: int, etp: int | None, inst: int,
+                                         order: str) -> None:
+    pytest.importorskip("megatron.core.parallel_state")
+    ref = _megatron_groups(monkeypatch, world, tensor_model_parallel_size=tp,
+                           pipeline_model_parallel_size=pp, context_parallel_size=cp,
+                           expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
+                           num_distributed_optimizer_instances=inst, order=order)
+    lay = build_layout(world, tp, pp, cp, ep, etp, inst, order)
+    for name in GROUP_NAMES:
+        assert lay.groups(name) == ref.get(name, []), name
+        for rank in range(world):
+            assert lay.ranks_of(name, rank) == next((g for g in ref.get(name, []) if rank in g), None)

@@ -1,0 +1,86 @@
+"""summary.json from event files written here: phases over ranks, warmup per group, checkpoints, exits."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from lifecycle.launch import LaunchResult
+from lifecycle.obs import summary
+from lifecycle.ranks import fmt_ranks as rank_ranges
+from tests.unit.obs.test_timeline import _ev, _write
+
+
+def _rank(rank: int, train_us: int, *, crash: bool = False) -> list[dict]:  # type: ignore[type-arg]
+    evs = [_ev(0, "begin", "phase:warmup", rank, "warmup"),
+           _ev(10, "begin", "warm:all_reduce", rank, "warmup", group="dp"),
+           _ev(10 + 100 * (rank + 1), "end", "warm:all_reduce", rank, "warmup", group="dp", outcome="ok"),
+           _ev(500, "end", "phase:warmup", rank, "warmup"),
+           _ev(500, "begin", "phase:train", rank),
+           _ev(510, "begin", "save", rank, step=2, path="/ck/iter_2", reason="periodic"),
+           _ev(510 + 1000 * (rank + 1), "end", "save", rank, step=2, path="/ck/iter_2", reason="periodic",
+               outcome="ok"),
+           _ev(3000, "begin", "commit", rank, step=2, path="/ck/iter_2"),
+           _ev(3500, "end", "commit", rank, step=2, path="/ck/iter_2", write_s=0.1, outcome="ok"),
+           _ev(3600, "instant", "zero_token", rank, count=2)]
+    if crash:
+        return evs + [_ev(3700, "instant", "fault_drill", rank, action="crash", drill_step=3)]
+    return evs + [_ev(500 + train_us, "end", "phase:train", rank), _ev(500 + train_us, "instant", "exit", rank,
+                                                                        exit_code=4)]
+
+
+def test_summary_of_a_run_where_a_rank_died(tmp_path: Path) -> None:
+    _write(tmp_path, 0, _rank(0, 4_000_000))
+    _write(tmp_path, 1, _rank(1, 0, crash=True))
+    launch = LaunchResult(exit_code=17, first_failure=1, how="exit 17", phase="train", per_rank={0: 4, 1: 17, 2: -9},
+                          wall_s=3.0, killed=(2,))
+    s = summary.build(tmp_path, launch)
+    assert s["ranks"] == 3
+    train = s["phases"]["train"]
+    assert train["max_s"] == 4.0 and train["slowest_rank"] == 0 and train["cut_ranks"] == [1]
+    assert train["min_s"] == (3700 - 500) / 1e6  # the cut phase counts up to rank 1's last event
+    assert s["warmup_per_group"]["dp"] == {"min_s": 0.0001, "median_s": 0.00015, "max_s": 0.0002,
+                                           "slowest_rank": 1, "ranks": 2, "ops": ["all_reduce"]}
+    [ck] = s["checkpoints"]
+    assert ck["step"] == 2 and ck["save_s"] == 0.002 and ck["save_slowest_rank"] == 1
+    assert ck["commit_s"] == 0.0005 and ck["committed"] and ck["write_s"] == 0.1
+    assert s["zero_token_events"] == {0: 2, 1: 2}
+    status = s["exit_status_per_rank"]
+    assert status[0] == {"exit_code": 4, "how": "exit 4", "last_phase": "train", "error": None}
+    assert status[1]["exit_code"] == 17 and status[1]["how"] == "exit 17"
+    assert status[2] == {"exit_code": 137, "how": "killed by the launcher after the grace period",
+                         "last_phase": None, "error": None}
+    assert s["fault_drills"] == [{"rank": 1, "phase": "train", "action": "crash", "drill_step": 3}]
+    text = summary.render(s)
+    assert "cut on ranks 1" in text and "drill    crash on rank 1 in train step 3" in text
+    assert "zero-token events: 4 on ranks 0-1" in text and "exit 17: ranks 1" in text
+    summary.write(tmp_path, s)
+    assert json.loads((tmp_path / "summary.json").read_text())["phases"]["train"]["cut_ranks"] == [1]
+
+
+def test_uncommitted_save_is_reported(tmp_path: Path) -> None:
+    _write(tmp_path, 0, [_ev(0, "begin", "phase:checkpoint", phase="checkpoint"),
+                         _ev(5, "begin", "save", step=4, path="/ck/iter_4", phase="checkpoint"),
+                         _ev(9, "end", "save", step=4, path="/ck/iter_4", phase="checkpoint", outcome="ok"),
+                         _ev(10, "begin", "commit", step=4, path="/ck/iter_4", phase="checkpoint")])
+    s = summary.build(tmp_path)
+    assert s["checkpoints"][0]["committed"] is False
+    assert "NOT saved step 4" in summary.render(s)
+    assert s["exit_status_per_rank"][0]["how"] == "no exit event"
+
+
+def test_rank_ranges() -> None:
+    assert rank_ranges([3, 0, 1, 2, 6, 8, "9"]) == "0-3,6,8-9"
+    assert rank_ranges([]) == ""
+
+
+def test_hang_reports_are_listed_with_the_report_file(tmp_path: Path) -> None:
+    _write(tmp_path, 0, [_ev(0, "begin", "phase:train"),
+                         _ev(9, "instant", "hang_report", cause="collective mismatch", culprits=[2, 3], dead=[],
+                             report=str(tmp_path / "hang_report.json")),
+                         _ev(10, "end", "phase:train"), _ev(11, "instant", "exit", exit_code=3)])
+    (tmp_path / "hang_report.json").write_text("{}")
+    s = summary.build(tmp_path)
+    assert s["hang_reports"][0]["cause"] == "collective mismatch" and s["hang_reports"][0]["culprits"] == [2, 3]
+    assert s["hang_report_file"] == str(tmp_path / "hang_report.json")
+    assert "hang     reported by 1 rank(s): collective mismatch culprits 2-3; see " in summary.render(s)

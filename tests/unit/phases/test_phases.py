@@ -1,0 +1,176 @@
+"""Every phase on a one-rank context in this process (real gloo, world 1): milliseconds, no processes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from lifecycle.context import RunContext
+from lifecycle.errors import PhaseError, PolicyError
+from lifecycle.phases import checkpoint
+from lifecycle.phases.init import InitPhase
+from lifecycle.phases.teardown import HardDeadline, TeardownPhase
+from lifecycle.phases.train import TrainPhase, agree_stop
+from lifecycle.phases.warmup import WarmupPhase
+from tests.unit.onerank import MakeCtx, RecordingParallel, names
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _init(ctx: RunContext) -> RunContext:
+    InitPhase().run(ctx)
+    return ctx
+
+
+def test_init_creates_the_group_the_store_and_the_layout_and_checks_the_policy(make_ctx: MakeCtx) -> None:
+    ctx = _init(make_ctx())
+    assert dist.is_initialized() and dist.get_world_size() == 1 and ctx.store is not None
+    assert isinstance(ctx.parallel, RecordingParallel)
+    assert ctx.parallel.calls == ["initialize tp=1 pp=1 ep=1 timeout=20"]
+    assert ctx.op_counts["world"] == 1  # the policy-hash all_gather
+    assert names(ctx) == ["init_process_group", "initialize_model_parallel", "check_policy_hash"]
+
+
+def test_init_refuses_a_layout_the_world_cannot_hold_before_any_group_exists(make_ctx: MakeCtx) -> None:
+    ctx = make_ctx({"parallelism": {"tp": 2}, "train": {"kind": "megatron_gpt", "options": {}}})
+    with pytest.raises(PolicyError, match="world size 1 is not divisible by tp"):
+        InitPhase().run(ctx)
+    assert not dist.is_initialized()
+
+
+def test_init_runs_the_after_init_barrier_on_the_store(make_ctx: MakeCtx) -> None:
+    ctx = _init(make_ctx({"barriers": {"after_init": [{"group": "world"}, {"group": "tp"}]}}))
+    assert "barrier:after_init" in names(ctx)
+    assert ctx.keys_taken == 2  # the skipped group (no tp here) still takes its key: keys stay aligned
+
+
+def test_warmup_issues_every_op_on_every_group_once(make_ctx: MakeCtx) -> None:
+    ops = ["barrier", "all_reduce", "all_gather", "all_to_all", "p2p"]
+    ctx = _init(make_ctx({"warmup": {"ops": ops}}))
+    WarmupPhase().run(ctx)
+    assert [g.label for g in ctx.groups] == ["world=dp"]  # one communicator, every name it answers to
+    assert ctx.op_counts["world=dp"] == len(ops)
+    assert [n for n in names(ctx) if n.startswith("warm:")] == [f"warm:{op}" for op in ops]
+    assert set(ctx.warmup_s) == {"world=dp"} and ctx.warmup_s["world=dp"] >= 0
+
+
+def test_warmup_fails_on_a_required_group_the_layout_lacks(make_ctx: MakeCtx) -> None:
+    ctx = _init(make_ctx({"warmup": {"required": ["tp"]}}))
+    with pytest.raises(PhaseError, match="required group 'tp' does not exist"):
+        WarmupPhase().run(ctx)
+
+
+def test_warmup_is_disabled_by_the_policy(make_ctx: MakeCtx) -> None:
+    assert not WarmupPhase().enabled(make_ctx({"warmup": {"enabled": False}}))
+
+
+def test_train_runs_the_steps_and_saves_at_the_end(make_ctx: MakeCtx) -> None:
+    ctx = _init(make_ctx({"train": {"steps": 4}}))
+    saves: list[tuple[int, str]] = []
+    TrainPhase(lambda c, reason: saves.append((c.step, reason))).run(ctx)
+    assert ctx.step == 4 and saves == [(4, "end")]
+    ctx.events.flush()
+    assert names(ctx).count("step") == 4
+    assert ctx.step_handler is not None
+
+
+def test_train_saves_every_n_steps_and_not_twice_at_the_end(make_ctx: MakeCtx) -> None:
+    ctx = _init(make_ctx({"train": {"steps": 4}, "checkpoint": {"every_steps": 2}}))
+    saves: list[tuple[int, str]] = []
+    TrainPhase(lambda c, reason: saves.append((c.step, reason))).run(ctx)
+    assert saves == [(2, "periodic"), (4, "periodic")]
+
+
+def test_a_signal_before_training_stops_without_building_a_model(make_ctx: MakeCtx) -> None:
+    ctx = _init(make_ctx())
+    ctx.stop.preempt_signal = "SIGTERM"
+    assert agree_stop(ctx) is True
+    TrainPhase(lambda c, r: None).run(ctx)
+    assert ctx.step_handler is None and ctx.step == 0
+
+
+def test_a_signal_mid_training_saves_and_stops_at_the_step_boundary(make_ctx: MakeCtx) -> None:
+    ctx = _init(make_ctx({"train": {"steps": 10}}))
+    saves: list[tuple[int, str]] = []
+    phase = TrainPhase(lambda c, reason: saves.append((c.step, reason)))
+    phase._build = _signal_after(phase._build, 3)  # type: ignore[method-assign]
+    phase.run(ctx)
+    assert ctx.stop.stop_step == 3 and saves == [(3, "preemption")]
+
+
+def _signal_after(build, n):  # type: ignore[no-untyped-def]
+    def wrapped(ctx: RunContext):  # type: ignore[no-untyped-def]
+        handler = build(ctx)
+        step = handler.step
+
+        def counting(c: RunContext, i: int) -> dict[str, float]:
+            if i == n:
+                c.stop.preempt_signal = "SIGTERM"
+            return step(c, i)
+
+        handler.step = counting
+        return handler
+    return wrapped
+
+
+def test_checkpoint_commits_in_two_phases_and_resumes(make_ctx: MakeCtx, tmp_path: Path) -> None:
+    ctx = _init(make_ctx({"train": {"steps": 2}}))
+    TrainPhase(checkpoint.save).run(ctx)
+    root = tmp_path / "ckpt"
+    assert (root / "latest").read_text().strip() == "iter_0000002"
+    assert sorted(p.name for p in root.iterdir()) == ["iter_0000002", "latest"]
+    assert ctx.saved == [str(root / "iter_0000002")] and ctx.pending_save is None
+    done = names(ctx)
+    assert done.index("barrier:ckpt_prepare") < done.index("save") < done.index("commit") < \
+        done.index("barrier:ckpt_committed")
+    fresh = TrainPhase(checkpoint.save)
+    ctx.step, ctx.step_handler = 0, fresh._build(ctx)
+    ctx.step_handler.setup(ctx)
+    checkpoint.resume(ctx)
+    assert ctx.step == 2 and ctx.resumed_from == 2
+
+
+def test_async_checkpoint_commits_at_the_next_boundary(make_ctx: MakeCtx, tmp_path: Path) -> None:
+    ctx = _init(make_ctx({"train": {"steps": 3}, "checkpoint": {"every_steps": 2, "async": True}}))
+    TrainPhase(checkpoint.save).run(ctx)
+    # step 2's save was committed at step 3's boundary; the last one waits for teardown's finalize_async
+    assert [Path(p).name for p in ctx.saved] == ["iter_0000002"]
+    assert ctx.pending_save is not None and ctx.pending_save.step == 3
+    checkpoint.finish_pending(ctx)
+    assert [Path(p).name for p in ctx.saved] == ["iter_0000002", "iter_0000003"]
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "iter_0000003"
+
+
+def test_resume_required_without_a_checkpoint_is_an_error(make_ctx: MakeCtx) -> None:
+    ctx = _init(make_ctx({"checkpoint": {"resume": "required"}}))
+    with pytest.raises(PhaseError, match="resume=required"):
+        TrainPhase(checkpoint.save).run(ctx)
+
+
+def test_teardown_success_runs_the_policy_steps_in_order(make_ctx: MakeCtx) -> None:
+    ctx = _init(make_ctx())
+    teardown = TeardownPhase()
+    deadline = teardown.arm(ctx)
+    teardown.run(ctx)
+    deadline.cancel()
+    assert not dist.is_initialized()
+    assert isinstance(ctx.parallel, RecordingParallel) and ctx.parallel.calls[-1] == "destroy"
+    assert [n for n in names(ctx) if n.startswith("teardown:")] == [
+        f"teardown:{s}" for s in ctx.policy.teardown.success]
+
+
+def test_teardown_failure_path_does_not_wait_on_peers(make_ctx: MakeCtx) -> None:
+    ctx = _init(make_ctx({"barriers": {"before_teardown": [{"group": "world"}]}}))
+    TeardownPhase().run_failure(ctx, RuntimeError("x"))
+    assert not dist.is_initialized()
+    assert "barrier:before_teardown" not in names(ctx)
+
+
+def test_hard_deadline_cancel_is_idempotent() -> None:
+    fired: list[str] = []
+    d = HardDeadline(30.0, 5, fired.append).start()
+    d.cancel()
+    d.cancel()
+    assert fired == []

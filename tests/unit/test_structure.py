@@ -1,0 +1,204 @@
+"""The shape of the code base: every Python file is linted, imports form no cycle, layers stay apart.
+
+The import graph is read from the AST of every module under ``lifecycle/`` — imports inside functions
+included (a lazy import still ties two modules together), imports under ``if TYPE_CHECKING:`` excluded
+(they never run). Importing ``lifecycle.a.b`` also runs ``lifecycle/a/__init__.py``, so a module depends
+on its parent packages too.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import ROOT
+
+PACKAGE = ROOT / "lifecycle"
+LINTED_DIRS = ("lifecycle", "tests", "bench", "examples")
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py")) if "__pycache__" not in p.parts}
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imports(tree: ast.AST, module: str, is_package: bool) -> set[str]:
+    """Absolute names imported anywhere in ``tree`` except under ``if TYPE_CHECKING``: ``import a.b`` gives
+    ``a.b``; ``from a import b`` gives ``a`` and ``a.b`` (the caller keeps those that are modules)."""
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = module.split(".")[: len(module.split(".")) - node.level + (1 if is_package else 0)]
+                base = ".".join([*anchor, *([base] if base else [])])
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+def _graph(*, parents: bool = False) -> dict[str, set[str]]:
+    """Module -> the lifecycle modules it imports. ``from pkg import sub`` depends on ``pkg.sub`` (the package
+    itself only when a name is taken from it). With ``parents`` a module also depends on the packages above
+    it and above each import (their ``__init__`` runs first): what importing it may run, transitively."""
+    modules = _modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        names = _imports(ast.parse(path.read_text()), name, path.name == "__init__.py")
+        deps = {n for n in names if n in modules}
+        deps -= {d for d in deps if any(n.startswith(d + ".") and n in modules for n in names)
+                 and not _takes_a_name(d, names, modules)}
+        if parents:
+            for dep in list(deps) + [name]:
+                parts = dep.split(".")
+                deps.update(".".join(parts[:i]) for i in range(1, len(parts)) if ".".join(parts[:i]) in modules)
+        deps.discard(name)
+        graph[name] = deps
+    return graph
+
+
+def _takes_a_name(package: str, names: set[str], modules: dict[str, Path]) -> bool:
+    """Whether ``from package import X`` takes an X that is not a submodule."""
+    return any(n.startswith(package + ".") and n.count(".") == package.count(".") + 1 and n not in modules
+               for n in names)
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+    counter = [0]
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10_000))
+
+    def strong(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            strong(v)
+    return out
+
+
+def test_the_import_graph_has_no_cycle() -> None:
+    cycles = _cycles(_graph())
+    assert cycles == [], f"import cycles among lifecycle modules: {cycles}"
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    tree = ast.parse("if TYPE_CHECKING:\n    import lifecycle.x\nelse:\n    import lifecycle.y\n"
+                     "def f():\n    from lifecycle import z\n")
+    assert _imports(tree, "lifecycle.m", False) == {"lifecycle.y", "lifecycle", "lifecycle.z"}
+
+
+def test_megatron_is_imported_only_under_backends() -> None:
+    offenders = []
+    for name, path in _modules().items():
+        if name.startswith("lifecycle.backends"):
+            continue
+        names = _imports(ast.parse(path.read_text()), name, path.name == "__init__.py")
+        if any(n == "megatron" or n.startswith("megatron.") for n in names):
+            offenders.append(name)
+    assert offenders == [], f"modules outside lifecycle/backends import megatron: {offenders}"
+
+
+def test_the_policy_layer_depends_on_no_execution_layer() -> None:
+    graph = _graph(parents=True)
+    forbidden = ("lifecycle.phases", "lifecycle.machine", "lifecycle.backends", "lifecycle.watchdog")
+    for name in [n for n in graph if n.startswith("lifecycle.policy")]:
+        seen, todo = {name}, [name]
+        while todo:  # everything importing this module can run, transitively
+            for dep in graph[todo.pop()]:
+                if dep not in seen:
+                    seen.add(dep)
+                    todo.append(dep)
+        bad = sorted(d for d in seen if d.startswith(forbidden))
+        assert bad == [], f"{name} reaches {bad}"
+
+
+def _python_files() -> set[str]:
+    files = {"setup.py"} if (ROOT / "setup.py").is_file() else set()
+    for top in LINTED_DIRS:
+        for dirpath, dirnames, filenames in os.walk(ROOT / top):
+            dirnames[:] = [d for d in dirnames if d not in ("__pycache__", ".venv", "build") and
+                           not d.endswith(".egg-info")]
+            files.update(str((Path(dirpath) / f).relative_to(ROOT)) for f in filenames if f.endswith(".py"))
+    return files
+
+
+def _ruff() -> list[str]:
+    exe = shutil.which("ruff", path=str(Path(sys.executable).parent)) or shutil.which("ruff")
+    if exe is None:
+        pytest.skip("ruff is not installed (make test installs it with the dev extra)")
+    return [exe]
+
+
+@pytest.mark.timeout(60)
+def test_ruff_checks_every_python_file() -> None:
+    proc = subprocess.run([*_ruff(), "check", "--show-files"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60, check=True)
+    checked = {str(Path(line.strip()).resolve().relative_to(ROOT)) for line in proc.stdout.splitlines()
+               if line.strip().endswith(".py")}
+    missing = sorted(_python_files() - checked)
+    assert missing == [], f"ruff does not check: {missing}"
+
+
+@pytest.mark.timeout(60)
+def test_the_lint_configuration_is_what_make_test_runs() -> None:
+    makefile = (ROOT / "Makefile").read_text()
+    assert "ruff check\n" in makefile or "ruff check \n" in makefile, \
+        "make lint must run plain `ruff check` so that pyproject's include list decides what is linted"
+    proc = subprocess.run([*_ruff(), "check", "--output-format", "json"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert json.loads(proc.stdout or "[]") == [], proc.stdout[:2000]

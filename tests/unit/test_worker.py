@@ -1,0 +1,96 @@
+"""One rank end to end in this process (world 1, real gloo and store, the watchdog thread): the worker,
+the runner's in-rank path and the watchdog, without starting a process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from lifecycle import rundir
+from lifecycle.errors import UsageError
+from lifecycle.obs.events import read_events
+from lifecycle.policy.load import validate, write_resolved
+from lifecycle.worker import rank_env, run_rank
+from tests._dist import free_port
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def one_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+
+
+def _policy(tmp_path: Path, **extra: object) -> Path:
+    data: dict[str, object] = {
+        "run": {"dir": str(tmp_path / "run"), "id": "unit"}, "checkpoint": {"dir": str(tmp_path / "ckpt")},
+        "train": {"kind": "synthetic", "steps": 3, "options": {"hidden": 8}},
+        "watchdog": {"poll_interval_s": 0.05, "deadlines": {"init": 20, "step": 10}}, **extra}
+    run_dir = tmp_path / "run"
+    write_resolved(validate(data), run_dir)
+    return run_dir
+
+
+def test_rank_env_names_what_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(UsageError, match="RANK and WORLD_SIZE must be set"):
+        rank_env()
+
+
+def test_one_rank_runs_the_whole_lifecycle_from_the_run_directory(one_rank: None, tmp_path: Path) -> None:
+    run_dir = _policy(tmp_path)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        assert run_rank(run_dir) == 0
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    events = read_events(run_dir)[0]
+    exit_event = [e for e in events if e["name"] == "exit"][-1]
+    assert exit_event["exit_code"] == 0 and exit_event["step"] == 3
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "iter_0000003"
+
+
+def test_a_preemption_signal_saves_and_exits_0(one_rank: None, tmp_path: Path) -> None:
+    run_dir = _policy(tmp_path, train={"kind": "synthetic", "steps": 50, "options": {"step_sleep_s": 0.01}},
+                      faults=[{"at": "train", "step": 5, "ranks": [0], "action": "signal"}])
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        assert run_rank(run_dir) == 0
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    stop = [e for e in read_events(run_dir)[0] if e["name"] == "exit"][-1]["stop_step"]
+    assert stop is not None and 5 <= stop < 50
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == f"iter_{stop:07d}"
+
+
+def test_the_watchdog_reports_a_slow_step_past_its_deadline(one_rank: None, tmp_path: Path) -> None:
+    run_dir = _policy(tmp_path, train={"kind": "synthetic", "steps": 1, "options": {"step_sleep_s": 1.5}},
+                      watchdog={"action": "report", "poll_interval_s": 0.05,
+                                "deadlines": {"init": 20, "step": 0.3}})
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        assert run_rank(run_dir) == 0  # report only: the step finishes and the run ends cleanly
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    report = json.loads((run_dir / rundir.HANG_REPORT).read_text())
+    assert report["cause"] == "hang" and report["phase"] == "train" and report["origin_rank"] == 0
+    assert report["waits"]["0"]["op"] == "step" and report["waits"]["0"]["step"] == 1
+    assert any(e["name"] == "hang_report" for e in read_events(run_dir)[0])
+
+
+def test_the_worker_entry_point_refuses_a_missing_run_directory(tmp_path: Path) -> None:
+    from lifecycle.worker import main
+
+    os.environ.update(RANK="0", WORLD_SIZE="1")
+    assert main([str(tmp_path / "nowhere")]) == 2

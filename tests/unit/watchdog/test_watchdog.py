@@ -1,0 +1,261 @@
+"""Watchdog parts without rank processes: the progress tracker, the diagnosis, the causes, the side channel
+on a real in-process TCPStore, and the sequence check on a real HashStore shared by threads."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lifecycle.distributed.groups import ResolvedGroup
+from lifecycle.errors import HangError, PhaseError
+from lifecycle.rundir import SHUTDOWN_MARKER
+from lifecycle.watchdog import causes, diagnosis, seqcheck
+from lifecycle.watchdog.causes import Cause
+from lifecycle.watchdog.sidechannel import SideChannel
+from lifecycle.watchdog.tracker import ProgressTracker
+
+torch_dist = pytest.importorskip("torch.distributed")
+
+
+def _ev(kind: str, name: str, phase: str = "warmup", **fields: Any) -> dict[str, Any]:
+    return {"kind": kind, "name": name, "phase": phase, **fields}
+
+
+def _rec(rank: int, phase: str, op: list[Any] | None, begun: dict[str, int], *, last: list[Any] | None = None,
+         ranks: list[int] | None = None, sync: int = 0, state: str = "running") -> dict[str, Any]:
+    return {"rank": rank, "state": state, "phase": phase, "step": None, "op": op, "last": last or op,
+            "ranks": ranks, "begun": begun, "idle_s": 1.0, "t": 100.0, "sync": sync}
+
+
+# ---- tracker --------------------------------------------------------------------------------------
+def test_tracker_counts_ops_per_group_and_keeps_the_open_span() -> None:
+    asked: list[str] = []
+    t = ProgressTracker(0, members=lambda label: asked.append(label) or [0, 1])
+    t.on_event(_ev("begin", "phase:warmup"))
+    t.on_event(_ev("begin", "warm:barrier", group="tp", ranks=[0, 1]))
+    t.on_event(_ev("end", "warm:barrier", group="tp"))
+    t.on_event(_ev("begin", "barrier:after_warmup", group="dp"))
+    t.on_event(_ev("begin", "barrier:after_warmup", group="dp"))  # a second begin: the label is resolved once
+    t.on_event({"kind": "instant", "name": "fault_drill", "phase": "warmup"})
+    rec = t.record()
+    assert rec["begun"] == {"world": 1, "tp": 1, "dp": 2}
+    assert rec["op"] == ["barrier:after_warmup", "dp", 2, None] and rec["ranks"] == [0, 1]
+    assert asked == ["dp"]
+    assert t.waiting_in() is not None and t.idle_s() < 5
+
+
+def test_tracker_keeps_the_op_an_exception_left_and_freezes_after_failure() -> None:
+    t = ProgressTracker(3)
+    t.on_event(_ev("begin", "step", phase="train", step=2))
+    t.on_event(_ev("end", "step", phase="train", step=2, outcome="error: HangError"))
+    assert t.record()["op"] == ["step", "world", 1, 2]
+    t.set_state("failed", "HangError: x")
+    t.on_event(_ev("begin", "teardown:failure", phase="teardown"))
+    rec = t.record()
+    assert rec["phase"] == "train" and rec["state"] == "failed" and rec["begun"] == {"world": 1}
+    assert t.waiting_in() is None
+
+
+def test_tracker_survives_a_failing_member_lookup() -> None:
+    t = ProgressTracker(0, members=lambda label: 1 / 0)  # type: ignore[arg-type,return-value]
+    t.on_event(_ev("begin", "barrier:x", group="dp"))
+    assert t.record()["ranks"] is None
+
+
+def test_store_keys_are_numbered_in_call_order_and_counted() -> None:
+    from lifecycle.context import RunContext
+
+    ctx = RunContext(None, None, 0, 1, 0, None, None, None)  # type: ignore[arg-type]
+    assert [ctx.next_key("x") for _ in range(3)] == ["lifecycle/x/0", "lifecycle/x/1", "lifecycle/x/2"]
+    assert ctx.keys_taken == 3
+
+
+# ---- diagnosis ------------------------------------------------------------------------------------
+def test_the_stalled_rank_is_the_culprit_not_the_ranks_waiting_on_it() -> None:
+    records = {
+        0: _rec(0, "warmup", ["warm:all_reduce", "tp", 2, None], {"world": 3, "tp": 2}, ranks=[0, 1]),
+        1: _rec(1, "warmup", None, {"world": 3, "tp": 1}, last=["warm:barrier", "tp", 1, None], ranks=[0, 1]),
+        2: _rec(2, "warmup", ["warm:barrier", "tp_dp", 1, None], {"world": 3, "tp": 2, "tp_dp": 1},
+                ranks=[0, 1, 2, 3]),
+        3: _rec(3, "warmup", ["warm:barrier", "tp_dp", 1, None], {"world": 3, "tp": 2, "tp_dp": 1},
+                ranks=[0, 1, 2, 3]),
+    }
+    d = diagnosis.diagnose("hang", "rank 0 made no progress", records, 4, phase="warmup", now=100.0)
+    assert d.culprits == [1]
+    assert d.waits[0].missing == [1] and d.waits[2].missing == [0, 1] and d.waits[1].missing == []
+    text = diagnosis.render(d, 0)
+    assert text.splitlines()[0].startswith("[rank 0] lifecycle watchdog: HANG in phase warmup")
+    assert "rank 0 waits in warm:all_reduce on group tp (op #2 on tp): arrived [0], missing [1]" in text
+    assert "stuck: rank 1 [alive]: phase warmup, after op warm:barrier on group tp (#1)" in text
+    assert json.loads(json.dumps(d.to_json()))["culprits"] == [1]
+
+
+def test_a_rank_behind_on_store_sync_points_is_named_when_no_span_shows_it() -> None:
+    same = ["phase:checkpoint", "world", 16, 2]
+    records = {r: _rec(r, "checkpoint", None, {"world": 16}, last=same, sync=2 if r != 1 else 1) for r in range(4)}
+    d = diagnosis.diagnose("hang", "x", records, 4, phase="checkpoint", now=100.0)
+    assert d.culprits == [1] and d.lagging == {1: 1}
+    assert "it passed 1 store sync points" in diagnosis.render(d, 0)
+
+
+def test_dead_and_failed_ranks_are_the_culprits() -> None:
+    records: dict[int, dict[str, Any] | None] = {
+        0: _rec(0, "train", ["step", "world", 9, 3], {"world": 9}), 1: None,
+        2: _rec(2, "train", ["step", "world", 9, 3], {"world": 9}, state="failed")}
+    d = diagnosis.diagnose("dead", "rank 1 ended", records, 3, dead={1: "exit 4"}, origin=1, now=100.0)
+    assert d.culprits == [1]
+    assert "stuck: rank 1 [DEAD (exit 4)]: never reported" in diagnosis.render(d, 0)
+    d = diagnosis.diagnose("failed", "rank 2 raised", records, 3, origin=2, now=100.0)
+    assert d.culprits == [2]
+
+
+def test_stale_records_are_dead() -> None:
+    records = {0: _rec(0, "train", None, {}), 1: {**_rec(1, "train", None, {}), "t": 50.0},
+               2: {**_rec(2, "train", None, {}, state="exited"), "t": 10.0}}
+    assert list(diagnosis.stale_ranks(records, now=100.0, stale_s=30.0)) == [1]
+
+
+def test_crossed_waits_are_a_divergence_and_lockstep_ranks_are_not() -> None:
+    mine = ProgressTracker(0)  # rank 0: tp #1 done, blocked in tp #2; rank 1 skipped tp #2, blocked in mp #1
+    mine.on_event(_ev("begin", "warm:barrier", group="tp", ranks=[0, 1]))
+    mine.on_event(_ev("end", "warm:barrier", group="tp"))
+    mine.on_event(_ev("begin", "warm:all_reduce", group="tp", ranks=[0, 1]))
+    op = mine.waiting_in()
+    peer = _rec(1, "warmup", ["warm:barrier", "mp", 1, None], {"tp": 1, "mp": 1}, ranks=[0, 1])
+    found = diagnosis.crossed(0, op, {"tp": 2}, {1: peer}, 2)
+    assert found is not None and found[1] == [0, 1] and "ranks 0 and 1 wait for each other" in found[0]
+    # The peer is merely behind in the same program (it will reach tp #2 after tp #1): no divergence.
+    behind = _rec(1, "warmup", ["warm:barrier", "tp", 1, None], {"tp": 1}, ranks=[0, 1])
+    assert diagnosis.crossed(0, op, {"tp": 2}, {1: behind}, 2) is None
+
+
+# ---- causes ---------------------------------------------------------------------------------------
+def test_classify() -> None:
+    from lifecycle.distributed.faults import DrillError
+
+    class Shutdown(BaseException):
+        pass
+
+    assert causes.classify(HangError("x")) == "hang"
+    assert causes.classify(seqcheck.SequenceMismatch("x", ranks=[1])) == "sequence"
+    assert causes.classify(Shutdown("launcher")) == "shutdown"
+    assert causes.classify(PhaseError("all_reduce failed: Connection closed by peer [127.0.0.1]:1")) == "peer"
+    assert causes.classify(RuntimeError("Socket Timeout: timed out after 30s")) == "hang"
+    assert causes.classify(DrillError("fault drill: raise")) == "failed"
+
+
+def test_marker_names_the_rank_that_ended(tmp_path: Path) -> None:
+    assert causes.from_marker(tmp_path) is None
+    (tmp_path / SHUTDOWN_MARKER).write_text(json.dumps({"reason": "rank 2 failed (exit 4)", "rank": 2,
+                                                                "how": "exit 4", "phase": "train"}))
+    cause = causes.from_marker(tmp_path)
+    assert cause is not None and cause.dead == {2: "exit 4"} and cause.phase == "train" and not cause.urgent
+
+
+def test_deadline_cause_names_the_op() -> None:
+    t = ProgressTracker(2)
+    t.on_event(_ev("begin", "warm:barrier", group="tp", ranks=[2, 3]))
+    assert causes.deadline_passed(t, 60.0, 2) is None
+    cause = causes.deadline_passed(t, 0.0, 2)
+    assert cause is not None and cause.urgent and "at warm:barrier on group tp" in cause.detail
+
+
+# ---- side channel on a real TCPStore ----------------------------------------------------------------
+@pytest.fixture
+def channel() -> Any:
+    server = torch_dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=5), wait_for_workers=False)
+    client = torch_dist.TCPStore("127.0.0.1", server.port, None, False, datetime.timedelta(seconds=5))
+    yield SideChannel(client, "unit")
+    del client, server
+
+
+def test_side_channel_records_alarm_and_heartbeats(channel: SideChannel) -> None:
+    channel.announce(0, {"rank": 0, "state": "running"})
+    channel.announce(2, {"rank": 2, "state": "exited"})
+    assert channel.started() == [0, 2]
+    assert channel.records([0, 1, 2]) == {0: {"rank": 0, "state": "running"}, 1: None,
+                                          2: {"rank": 2, "state": "exited"}}
+    first = Cause("hang", "rank 3 stuck", 3, "warmup", {}, [1]).alarm(3)
+    assert channel.raise_alarm(first)["rank"] == 3
+    assert channel.raise_alarm(Cause("dead", "later", 0, "warmup").alarm(0))["rank"] == 3  # first one stands
+    seen = causes.from_alarm(channel.clone(), rank=0)
+    assert seen is not None and seen.kind == "hang" and seen.hint == [1] and seen.origin == 3
+    assert causes.from_alarm(channel, rank=3) is None  # a rank does not react to its own alarm
+
+    beats = causes.Heartbeats(rank=1, world=3, stale_s=0.05)  # watches rank 2 and rank 0
+    channel.beat(0)
+    channel.beat(2)
+    assert beats.check(channel) is None
+    time.sleep(0.1)
+    dead = beats.check(channel)  # rank 0 stopped beating and still says "running"; rank 2 exited
+    assert dead is not None and dead.kind == "dead" and list(dead.dead) == [0]
+
+
+# ---- sequence check on a HashStore shared by threads ------------------------------------------------
+def _ctx(store: Any, rank: int, counts: dict[str, int], tmp: Path) -> Any:
+    from collections import Counter
+
+    from lifecycle.context import RunContext
+    from lifecycle.distributed.faults import Drills
+    from lifecycle.distributed.parallel import WorldOnly
+    from lifecycle.obs.events import EventLog
+    from lifecycle.policy.load import validate
+
+    policy = validate({"watchdog": {"deadlines": {"warmup": 5.0}}})
+    groups = [ResolvedGroup(("tp",), None, [0, 1] if rank < 2 else [2, 3])]
+    return RunContext(policy, tmp, rank, 4, rank, EventLog(tmp, rank), Drills([], rank), WorldOnly(), store=store,
+                      groups=groups, op_counts=Counter(counts))
+
+
+def _boundary(counts_per_rank: list[dict[str, int]], tmp: Path) -> dict[int, BaseException | None]:
+    store = torch_dist.HashStore()
+    out: dict[int, BaseException | None] = {}
+
+    def one(rank: int) -> None:
+        ctx = _ctx(store, rank, counts_per_rank[rank], tmp)
+        try:
+            seqcheck.SequenceCheck()(ctx, "warmup", "train", False)
+            out[rank] = None
+        except BaseException as exc:  # noqa: BLE001 - collected for the assertion
+            out[rank] = exc
+        finally:
+            ctx.events.close()
+
+    threads = [threading.Thread(target=one, args=(r,)) for r in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    return out
+
+
+def test_sequence_check_passes_when_every_group_agrees(tmp_path: Path) -> None:
+    same = {"world": 3, "tp": 2}
+    assert _boundary([same, same, same, same], tmp_path) == dict.fromkeys(range(4))
+
+
+def test_sequence_check_names_group_ranks_and_counts(tmp_path: Path) -> None:
+    counts = [{"world": 3, "tp": 2}, {"world": 3, "tp": 1}, {"world": 3, "tp": 2}, {"world": 3, "tp": 2}]
+    out = _boundary(counts, tmp_path)
+    for rank in range(4):
+        exc = out[rank]
+        assert isinstance(exc, seqcheck.SequenceMismatch), out
+        assert exc.group == "tp" and exc.ranks == [0, 1]  # two members, one each: no majority
+        assert "group tp (ranks from 0, size 2): ops per rank {'0': 2, '1': 1}" in str(exc)
+
+
+def test_the_minority_disagrees() -> None:
+    found = [{"group": "dp", "first_rank": 0, "size": 3, "counts": {"0": 5, "1": 4, "2": 5}}]
+    assert seqcheck.disagreeing(found) == [1]
+
+
+def test_compare_finds_silent_members() -> None:
+    found = seqcheck.compare({0: {"ep": [2, 0, 2]}, 1: {}})
+    assert found == [{"group": "ep", "first_rank": 0, "size": 2, "counts": {"0": 2}}]
+    assert "1 member(s) issued none" in seqcheck.describe(found, "train")

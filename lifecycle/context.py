@@ -52,6 +52,8 @@ class RunContext:
     drills: Drills
     parallel: ParallelState
     """The model-parallel backend (Megatron's ``parallel_state`` in a real run)."""
+    attempt: int = 1
+    """Which run of the same command in the same run directory this is (1 for a new run)."""
     store: Store | None = None
     """The default group's store (set by init); barriers and checkpoint agreement use it."""
     groups: list[ResolvedGroup] = field(default_factory=list)

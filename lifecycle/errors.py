@@ -80,6 +80,15 @@ class UsageError(LifecycleError):
     exit_code = ExitCode.USAGE
 
 
+class CheckpointError(UsageError):
+    """A checkpoint cannot be used: missing or truncated files, no metadata, a bad tracker. Exit 2: the input
+    is wrong, not the job; ``path`` names the checkpoint (or tracker) and the message says why and what to do."""
+
+    def __init__(self, message: str, *, path: str | None = None, **where: object) -> None:
+        super().__init__(message, **where)  # type: ignore[arg-type]
+        self.path = path
+
+
 class TransitionError(LifecycleError):
     """An illegal phase transition, e.g. ``can't go to checkpoint from warmup``."""
 

@@ -13,6 +13,10 @@
       hang_report.json         the watchdog's full diagnosis (lowest live rank)
       summary.json             the end-of-run summary (launcher)
       trace.json, timeline.png the merged timeline
+      overrides.txt            the command line's overrides of this attempt
+      attempt                  the number of the current attempt (1 for a new run)
+      attempts/<N>/            everything above of an earlier attempt N (events, logs, summary, reports ...),
+                               moved there when the same command runs again in the same run directory
       checkpoints/             checkpoint.dir unless the policy puts it elsewhere
 
 Pure Python: no torch.
@@ -36,7 +40,14 @@ HANG_REPORT = "hang_report.json"
 SUMMARY = "summary.json"
 TRACE = "trace.json"
 TIMELINE_PNG = "timeline.png"
+OVERRIDES = "overrides.txt"
+ATTEMPT = "attempt"
+ATTEMPTS_DIR = "attempts"
 ENV_RUN_DIR = "LIFECYCLE_RUN_DIR"
+ENV_ATTEMPT = "LIFECYCLE_ATTEMPT"
+# What belongs to one attempt (moved to attempts/<N>/ before the next one starts); checkpoints stay.
+_PER_ATTEMPT = (EVENTS_DIR, LOGS_DIR, SHUTDOWN_MARKER, HANG_REPORT, SUMMARY, TRACE, TIMELINE_PNG, RESOLVED, SHA256,
+                OVERRIDES)
 
 
 def events_file(run_dir: Path, rank: int) -> Path:
@@ -98,3 +109,92 @@ def last_event(run_dir: Path, rank: int) -> JsonDict | None:
             return event
         last = last or event
     return last
+
+
+# ---- attempts: running the same command again continues the run -------------------------------------
+def holds_run(run_dir: Path) -> bool:
+    """Whether ``run_dir`` already holds (the events of) a run."""
+    return (Path(run_dir) / EVENTS_DIR).is_dir()
+
+
+def current_attempt(run_dir: Path) -> int:
+    """The attempt recorded in ``run_dir`` (1 when a run is there without a record, 0 when none is)."""
+    try:
+        return max(int((Path(run_dir) / ATTEMPT).read_text().strip()), 1)
+    except (OSError, ValueError):
+        return 1 if holds_run(run_dir) else 0
+
+
+def archive_attempt(run_dir: Path) -> int:
+    """Move the files of the attempt in ``run_dir`` into ``attempts/<N>/``; record and return N + 1.
+
+    The local launcher calls it once, before any rank of the new attempt starts.
+    """
+    run_dir = Path(run_dir)
+    previous = current_attempt(run_dir)
+    if previous:
+        target = run_dir / ATTEMPTS_DIR / str(previous)
+        target.mkdir(parents=True, exist_ok=True)
+        for name in _PER_ATTEMPT:
+            if (run_dir / name).exists():
+                os.replace(run_dir / name, target / name)
+    (run_dir / ATTEMPT).write_text(f"{previous + 1}\n")
+    return previous + 1
+
+
+def rank_attempt(run_dir: Path, rank: int) -> int:
+    """This rank's attempt number when no local launcher decided it (torchrun, srun).
+
+    Each rank reads the attempt number from the first event of its own events file of the previous attempt,
+    moves that file into ``attempts/<N>/events/`` and continues as N + 1; rank 0 also moves the shared files.
+    Every rank of the previous attempt wrote its file, so every rank reaches the same number.
+    """
+    run_dir = Path(run_dir)
+    mine = events_file(run_dir, rank)
+    previous = _first_attempt(mine)
+    if previous is None:
+        return 1 if rank != 0 else _start_attempt(run_dir)
+    target = run_dir / ATTEMPTS_DIR / str(previous)
+    (target / EVENTS_DIR).mkdir(parents=True, exist_ok=True)
+    os.replace(mine, target / EVENTS_DIR / mine.name)
+    if rank == 0:
+        for name in _PER_ATTEMPT:
+            if name not in (EVENTS_DIR, LOGS_DIR, RESOLVED, SHA256) and (run_dir / name).exists():
+                os.replace(run_dir / name, target / name)
+        (run_dir / ATTEMPT).write_text(f"{previous + 1}\n")
+    return previous + 1
+
+
+def _start_attempt(run_dir: Path) -> int:
+    (run_dir / ATTEMPT).write_text("1\n")
+    return 1
+
+
+def _first_attempt(path: Path) -> int | None:
+    """The ``attempt`` of the first event in ``path`` (1 for files written before attempts were recorded)."""
+    try:
+        with path.open("rb") as f:
+            first = f.readline(1 << 16)
+    except OSError:
+        return None
+    try:
+        event = json.loads(first)
+        return max(int(event.get("attempt", 1)), 1) if isinstance(event, dict) else 1
+    except (ValueError, TypeError):
+        return 1
+
+
+def earlier_attempts(run_dir: Path) -> list[JsonDict]:
+    """One line per earlier attempt, oldest first: its number, exit code, outcome and steps (from its summary)."""
+    out: list[JsonDict] = []
+    root = Path(run_dir) / ATTEMPTS_DIR
+    numbers = sorted(int(p.name) for p in root.iterdir() if p.name.isdigit()) if root.is_dir() else []
+    for n in numbers:
+        info: JsonDict = {"attempt": n}
+        try:
+            s = json.loads((root / str(n) / SUMMARY).read_text())
+            info.update({k: s.get(k) for k in ("exit_code", "outcome", "resumed_from", "stop_step", "last_step")})
+        except (OSError, ValueError, AttributeError):
+            info["outcome"] = "no summary (the launcher did not finish)"
+        out.append(info)
+    return out

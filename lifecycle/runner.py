@@ -2,9 +2,15 @@
 
 With RANK/WORLD_SIZE in the environment (torchrun, srun wrappers) this process is one rank of a larger
 job: it composes the same policy (the run id comes from TORCHELASTIC_RUN_ID / SLURM_JOB_ID, identical
-on every rank) and runs the orchestrator in-process. Otherwise it writes the resolved policy into a new
+on every rank) and runs the orchestrator in-process. Otherwise it writes the resolved policy into the
 run directory, starts ``--nproc`` ranks through :func:`lifecycle.launch.launch_local`, and prints the
 summary. It returns the exit code of the first rank that failed.
+
+Running the same command again with the same ``run.dir`` (or ``run.id``) continues the run as its next
+attempt: the earlier attempt's files move to ``attempts/<N>/`` and the ranks resume from the last committed
+checkpoint (``checkpoint.resume: auto`` or ``required``; ``never`` refuses a run directory that holds a run).
+Before any rank starts, the run and checkpoint folders must be writable and what the checkpoint folder alone
+decides (``resume: required`` without a checkpoint, a broken tracker) is checked: all exit 2.
 """
 
 from __future__ import annotations
@@ -14,8 +20,12 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lifecycle.errors import PolicyError, UsageError
+
+if TYPE_CHECKING:
+    from lifecycle.policy.schema import Policy
 
 
 def _new_run_id() -> str:
@@ -33,28 +43,41 @@ def run(overrides: Sequence[str], *, nproc: int = 4, config_dir: str | None = No
         raise UsageError(f"--nproc must be >= 1 (got {nproc})")
     os.environ.setdefault("LIFECYCLE_RUN_ID", _new_run_id())
     loaded = load(overrides, config_dir=config_dir, config_name=config_name)
-    return launch(loaded.policy, nproc)
+    return launch(loaded.policy, nproc, overrides=overrides)
 
 
-def launch(policy: object, nproc: int) -> int:
+def preflight(policy: Policy, world_size: int) -> None:
+    """Everything checked before any rank starts (PolicyError/UsageError: exit 2)."""
+    from lifecycle import preflight as checks
+    from lifecycle.policy.checks import world_issues
+
+    issues = world_issues(policy, world_size)
+    if issues:
+        raise PolicyError(issues, source=f"world size {world_size}")
+    checks.check_dirs(policy.run.dir, policy.checkpoint.dir)
+    ck = policy.checkpoint
+    checks.check_resume(ck.dir, ck.resume, ck.on_corrupt)
+
+
+def launch(policy: Policy, nproc: int, *, overrides: Sequence[str] = ()) -> int:
     """Write the resolved policy, start the ranks, print and write the summary."""
+    from lifecycle import rundir
     from lifecycle.launch import launch_local
     from lifecycle.obs import summary
-    from lifecycle.policy.checks import world_issues
     from lifecycle.policy.load import write_resolved
-    from lifecycle.policy.schema import Policy
 
-    assert isinstance(policy, Policy)
-    issues = world_issues(policy, nproc)
-    if issues:
-        raise PolicyError(issues, source=f"--nproc {nproc}")
     run_dir = Path(policy.run.dir).resolve()
-    if (run_dir / "events").exists():
-        raise UsageError(f"run directory {run_dir} already holds a run; pick another run.name/run.id or "
-                         f"remove it (checkpoints there can be resumed with checkpoint.dir=...)")
+    if rundir.holds_run(run_dir) and policy.checkpoint.resume == "never":
+        raise UsageError(f"run directory {run_dir} already holds a run and checkpoint.resume=never; pick another "
+                         f"run.name/run.id, remove it, or set checkpoint.resume=auto to continue it")
+    preflight(policy, nproc)
+    attempt = rundir.archive_attempt(run_dir)
     write_resolved(policy, run_dir)
-    print(f"lifecycle: {nproc} ranks, run directory {run_dir}", flush=True)
-    result = launch_local([sys.executable, "-m", "lifecycle.worker", str(run_dir)], nproc, run_dir)
+    (run_dir / rundir.OVERRIDES).write_text("".join(f"{o}\n" for o in overrides))
+    again = f"attempt {attempt}, " if attempt > 1 else ""
+    print(f"lifecycle: {again}{nproc} ranks, run directory {run_dir}", flush=True)
+    result = launch_local([sys.executable, "-m", "lifecycle.worker", str(run_dir)], nproc, run_dir,
+                          env={rundir.ENV_ATTEMPT: str(attempt)})
     info = summary.build(run_dir, result)
     summary.write(run_dir, info)
     print(summary.render(info), flush=True)
@@ -75,11 +98,29 @@ def _timeline(run_dir: Path) -> None:
 
 
 def _run_as_rank(overrides: Sequence[str], config_dir: str | None, config_name: str) -> int:
+    from lifecycle import rundir
     from lifecycle.policy.load import load, write_resolved
+    from lifecycle.preflight import rank_env
     from lifecycle.worker import run_rank
 
+    rank, world, _ = rank_env()
     loaded = load(overrides, config_dir=config_dir, config_name=config_name)
-    run_dir = Path(loaded.policy.run.dir).resolve()
-    if os.environ.get("RANK") == "0":
-        write_resolved(loaded.policy, run_dir)
-    return run_rank(run_dir, loaded.policy)
+    policy = loaded.policy
+    run_dir = Path(policy.run.dir).resolve()
+    if rank == 0:
+        if rundir.holds_run(run_dir) and policy.checkpoint.resume == "never":
+            raise UsageError(f"run directory {run_dir} already holds a run and checkpoint.resume=never; set a new "
+                             f"run id (torchrun --rdzv-id) or checkpoint.resume=auto to continue it")
+        preflight(policy, world)
+        write_resolved(policy, run_dir)
+        (run_dir / rundir.OVERRIDES).write_text("".join(f"{o}\n" for o in overrides))
+    else:
+        from lifecycle import preflight as checks
+
+        checks.check_dirs(policy.run.dir, policy.checkpoint.dir)
+    code = run_rank(run_dir, policy)
+    # Leave now, as the local launcher's ranks do: interpreter shutdown could wait on threads or process
+    # groups that a dead peer left blocked (a gloo group joins its worker threads when destroyed).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

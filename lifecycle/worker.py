@@ -15,7 +15,9 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from lifecycle.errors import ExitCode, LifecycleError, UsageError
+from lifecycle import rundir
+from lifecycle.errors import ExitCode, LifecycleError
+from lifecycle.preflight import rank_env
 from lifecycle.rundir import RESOLVED, has_marker
 
 if TYPE_CHECKING:
@@ -25,16 +27,6 @@ if TYPE_CHECKING:
     from lifecycle.policy.schema import FaultDrill, Policy
 
 log = logging.getLogger(__name__)
-
-
-def rank_env() -> tuple[int, int, int]:
-    """(rank, world_size, local_rank) from the environment; a clear error when they are missing."""
-    try:
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    except (KeyError, ValueError) as exc:
-        raise UsageError(f"RANK and WORLD_SIZE must be set by the launcher (torchrun, srun or `lifecycle run`): "
-                         f"{exc}") from None
-    return rank, world, int(os.environ.get("LOCAL_RANK", "0"))
 
 
 def install_signals(ctx: RunContext, orchestrator: Orchestrator) -> None:
@@ -74,11 +66,13 @@ def run_rank(run_dir: Path, policy: Policy | None = None) -> int:
     if policy is None:
         policy = read_resolved(run_dir / RESOLVED)
     rank, world, local_rank = rank_env()
+    attempt = _attempt(run_dir, rank)
     events = EventLog(run_dir, rank, local_rank)
+    events.instant("attempt", attempt=attempt, world_size=world)
     ctx = RunContext(policy, run_dir, rank, world, local_rank, events,
                      Drills(policy.faults, rank, on_fire=lambda f: _drill_fired(events, f),
                             crash_code=policy.teardown.exit_codes.rank_failed),
-                     MegatronParallel())
+                     MegatronParallel(), attempt=attempt)
     orchestrator = Orchestrator(ctx)
     install_signals(ctx, orchestrator)
     start_watchdog(ctx)
@@ -87,6 +81,14 @@ def run_rank(run_dir: Path, policy: Policy | None = None) -> int:
     finally:
         if ctx.watchdog is not None:
             ctx.watchdog.stop()
+
+
+def _attempt(run_dir: Path, rank: int) -> int:
+    """The local launcher says which attempt this is; under torchrun/srun each rank works it out."""
+    given = os.environ.get(rundir.ENV_ATTEMPT, "")
+    if given.isdigit() and int(given) >= 1:
+        return int(given)
+    return rundir.rank_attempt(run_dir, rank)
 
 
 def start_watchdog(ctx: RunContext) -> None:

@@ -17,7 +17,7 @@ from lifecycle.errors import ExitCode, HangError, PolicyError, UsageError
 from lifecycle.machine.graph import MAIN_PATH, TERMINAL, check_transition
 from lifecycle.phases.base import PhaseHandler
 from lifecycle.phases.init import InitPhase
-from lifecycle.phases.teardown import HardDeadline, TeardownPhase
+from lifecycle.phases.teardown import TeardownPhase
 from lifecycle.phases.train import TrainPhase
 from lifecycle.phases.warmup import WarmupPhase
 
@@ -103,17 +103,18 @@ class Orchestrator:
     def _fail(self, exc: BaseException, *, in_teardown: bool = False) -> int:
         ctx = self.ctx
         self.error = exc
+        # The hard exit timer runs from the first moment of the failure path: nothing below (store calls on a
+        # dead link, an abort or destroy that blocks) can keep this process alive past teardown.deadline_s.
+        deadline = self.teardown.deadline if in_teardown else self.teardown.arm(ctx, step="failure")
         if ctx.watchdog is not None:  # tells peers at once, reports who is stuck, may name a torch timeout a hang
             exc = self.error = ctx.watchdog.on_failure(exc)
         code = self.exit_code(exc)
+        if deadline is not None:
+            deadline.code = code if code != ExitCode.OK else deadline.code
         log.error("%s failed on rank %d in phase %s: %s", type(exc).__name__, ctx.rank, self.current, exc)
         ctx.events.instant("failure", error=type(exc).__name__, message=str(exc)[:2000], exit_code=code)
-        deadline: HardDeadline | None
         if not in_teardown:
             self._enter(TERMINAL, failure=True)
-            deadline = self.teardown.arm(ctx)
-        else:
-            deadline = self.teardown.deadline
         try:
             self.teardown.run_failure(ctx, exc)
         except BaseException as again:  # noqa: BLE001 - the first error is the one to report

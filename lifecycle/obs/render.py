@@ -65,7 +65,12 @@ def _failures(s: dict[str, Any]) -> list[str]:
 
 
 def render(s: dict[str, Any]) -> str:
-    lines = [f"run      {s['run_dir']} ({s['ranks']} ranks)"]
+    attempt = s.get("attempt") or 1
+    lines = [f"run      {s['run_dir']} ({s['ranks']} ranks" + (f", attempt {attempt})" if attempt > 1 else ")")]
+    for a in s.get("earlier_attempts") or []:
+        lines.append(f"earlier  attempt {a['attempt']}: {a.get('outcome') or '?'}"
+                     + (f" -> exit {a['exit_code']}" if a.get("exit_code") is not None else "")
+                     + (f", last step {a['last_step']}" if a.get("last_step") is not None else ""))
     if "outcome" in s:
         lines.append(f"outcome  {s['outcome']} -> exit {s['exit_code']} in {s['wall_s']}s")
     lines += _phases(s) + _warmup(s)

@@ -15,7 +15,7 @@ from typing import Any
 from lifecycle.machine.graph import PHASES
 from lifecycle.obs.events import read_events
 from lifecycle.obs.spans import Span, phase_of, rank_spans, valid_events
-from lifecycle.rundir import HANG_REPORT, SUMMARY
+from lifecycle.rundir import HANG_REPORT, SUMMARY, earlier_attempts
 
 HANG_KEYS = ("cause", "detail", "origin", "culprits", "dead", "group", "report")
 
@@ -164,6 +164,9 @@ def build(run_dir: Path, launch: Any | None = None) -> dict[str, Any]:
         "hang_report_file": str(Path(run_dir) / HANG_REPORT) if (Path(run_dir) / HANG_REPORT).is_file() else None,
         "resumed_from": exit0.get("resumed_from"),
         "stop_step": exit0.get("stop_step"),
+        "last_step": exit0.get("step"),
+        "attempt": next((int(e["attempt"]) for e in rank0 if e["name"] == "attempt" and "attempt" in e), 1),
+        "earlier_attempts": earlier_attempts(run_dir),
     }
     if launch is not None:
         summary.update(exit_code=launch.exit_code, outcome=launch.describe(), wall_s=round(launch.wall_s, 2),

@@ -1,10 +1,12 @@
 """Checkpoint: save, agree off the default group, commit in two phases, prune; resume at start.
 
-Layout under ``checkpoint.dir``: a save is written to ``iter_NNNNNNN.tmp/``; once every rank's files
-are durable (agreed over the TCPStore, or a dedicated gloo group — never the default/NCCL group),
-global rank 0 finalizes the metadata, renames it to ``iter_NNNNNNN/`` and then replaces the tracker
-``latest`` atomically (write + fsync + rename). A crash at any moment leaves the previous checkpoint
-and tracker intact; ``keep_last`` prunes committed checkpoints only.
+Layout and invariants are those of :mod:`lifecycle.ckptdir`: a save is written to ``iter_NNNNNNN.tmp/``; once
+every rank's files are durable (agreed over the TCPStore, or a dedicated gloo group — never the default/NCCL
+group), global rank 0 finalizes the metadata, records the manifest, renames the folder to ``iter_NNNNNNN/``
+and then replaces the tracker atomically. A crash at any moment leaves the previous checkpoint and tracker
+intact. Pruning counts complete checkpoints only and never deletes the tracker's or the one this run resumed
+from. At resume every rank tries the same candidates in the same order and agrees after each attempt, so a
+checkpoint that fails on one rank is rejected on all of them.
 """
 
 from __future__ import annotations
@@ -12,11 +14,13 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lifecycle.errors import PhaseError
+from lifecycle import ckptdir
+from lifecycle.errors import CheckpointError, PhaseError
 from lifecycle.phases.points import run_points
 
 if TYPE_CHECKING:
@@ -26,7 +30,6 @@ if TYPE_CHECKING:
     from lifecycle.handlers.protocols import SaveHandle, StepHandler
 
 log = logging.getLogger(__name__)
-TRACKER = "latest"
 
 
 @dataclass
@@ -36,45 +39,6 @@ class PendingSave:
     tmp: Path
     final: Path
     reason: str
-
-
-def iter_name(step: int) -> str:
-    return f"iter_{step:07d}"
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_tracker(root: Path, name: str) -> None:
-    """Point ``latest`` at ``name`` atomically: write a temp file, fsync it, rename over, fsync the dir."""
-    tmp = root / f".{TRACKER}.tmp"
-    with open(tmp, "w") as f:
-        f.write(name + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, root / TRACKER)
-    _fsync_dir(root)
-
-
-def committed(root: Path) -> list[Path]:
-    """Committed checkpoints, oldest first (``.tmp`` leftovers are not committed)."""
-    if not root.is_dir():
-        return []
-    return sorted(p for p in root.glob("iter_*") if p.is_dir() and not p.name.endswith(".tmp"))
-
-
-def prune(root: Path, keep_last: int) -> list[Path]:
-    """Delete all but the newest ``keep_last`` committed checkpoints (0 keeps all)."""
-    done = committed(root)
-    doomed = done[:-keep_last] if keep_last else []
-    for path in doomed:
-        shutil.rmtree(path, ignore_errors=True)
-    return doomed
 
 
 def _all_ranks(ctx: RunContext) -> list[int]:
@@ -96,7 +60,7 @@ def save(ctx: RunContext, reason: str) -> None:
     deadline = ctx.deadline("checkpoint")
     run_points(ctx, "before_checkpoint", deadline)
     root = Path(ctx.policy.checkpoint.dir)
-    final = root / iter_name(ctx.step)
+    final = root / ckptdir.iter_name(ctx.step)
     tmp = root / (final.name + ".tmp")
     ctx.drills.fire("checkpoint", step=ctx.step, op="save")
     key = ctx.next_key("ckpt/prepare")
@@ -161,48 +125,144 @@ def _gloo_group(ctx: RunContext) -> ProcessGroup:
 
 
 def _commit(ctx: RunContext, pending: PendingSave) -> None:
+    """Rank 0: manifest, rename into place, tracker, prune. Each step keeps the tracker's invariant."""
     root = pending.final.parent
-    _fsync_dir(pending.tmp)
-    if pending.final.exists():  # the same step saved again (resume then save): replace it
-        shutil.rmtree(pending.final)
+    ckptdir.write_manifest(pending.tmp)
+    ckptdir.fsync_dir(pending.tmp)
+    tracked = ckptdir.read_tracker(root).name
+    if pending.final.exists():
+        if pending.final.name == tracked and ckptdir.problem(pending.final) is None:
+            # The same step, already committed (a resume at the last step): keep it, drop the copy.
+            shutil.rmtree(pending.tmp)
+            log.info("checkpoint step %d is already committed: %s", pending.step, pending.final)
+            return
+        ckptdir.set_aside(pending.final, "an older folder of the same step, never committed", kind="stale")
     os.replace(pending.tmp, pending.final)
-    _fsync_dir(root)
-    write_tracker(root, pending.final.name)
-    pruned = prune(root, ctx.policy.checkpoint.keep_last)
+    ckptdir.fsync_dir(root)
+    ckptdir.write_tracker(root, pending.step)
+    protect = {ckptdir.iter_name(ctx.resumed_from)} if ctx.resumed_from is not None else set()
+    pruned = ckptdir.prune(root, ctx.policy.checkpoint.keep_last, protect)
     log.info("checkpoint step %d committed: %s%s", pending.step, pending.final,
              f" (pruned {[p.name for p in pruned]})" if pruned else "")
 
 
-def _candidates(root: Path) -> list[Path]:
-    tracker = root / TRACKER
-    if not tracker.is_file():
-        return []
-    name = tracker.read_text().strip()
-    older = [p for p in committed(root) if p.name < name][::-1]
-    return [root / name, *older]
+def _is_interrupt(exc: BaseException) -> bool:
+    return isinstance(exc, KeyboardInterrupt | SystemExit) or type(exc).__name__ == "Shutdown"
+
+
+def _try_load(ctx: RunContext, path: Path) -> str | None:
+    """Load ``path`` on this rank; the reason it failed, or None. torch's CheckpointException derives from
+    BaseException: everything but an interrupt is a load failure here."""
+    try:
+        with ctx.events.span("resume", path=str(path)):
+            ctx.step = int(_handler(ctx).load(ctx, path))
+    except BaseException as exc:  # noqa: BLE001 - see the docstring
+        if _is_interrupt(exc):
+            raise
+        return _reason(exc)
+    return None
+
+
+def _reason(exc: BaseException) -> str:
+    """One line: torch's CheckpointException carries each rank's exception (and its traceback as text)."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        parts = []
+        for rank, wrapped in sorted(failures.items())[:4]:
+            inner = getattr(wrapped, "exception", wrapped)
+            parts.append(f"rank {rank}: {type(inner).__name__}: {' '.join(str(inner).split())[:160]}")
+        return "; ".join(parts)
+    text = " ".join(str(exc).split("Traceback (most recent call last)")[0].split())
+    return f"{type(exc).__name__}: {text[:300]}"
+
+
+def _agree_loaded(ctx: RunContext, failed: bool) -> list[int]:
+    """The ranks on which the load failed (every rank calls it after each attempt: all_gather on the default
+    group, bounded by the checkpoint deadline)."""
+    import torch
+    import torch.distributed as dist
+
+    from lifecycle.distributed.collectives import wait_works
+
+    if ctx.world_size == 1 or not dist.is_initialized():
+        return [ctx.rank] if failed else []
+    mine = torch.tensor([1 if failed else 0], dtype=torch.int32)
+    out = [torch.zeros_like(mine) for _ in range(ctx.world_size)]
+    work = dist.all_gather(out, mine, async_op=True)
+    wait_works([work], "all_gather(resume ok)", "world", list(range(ctx.world_size)), ctx.deadline("checkpoint"),
+               time.monotonic())
+    ctx.op_counts["world"] += 1
+    return [r for r, t in enumerate(out) if int(t.item())]
 
 
 def resume(ctx: RunContext) -> None:
-    """Load the tracker's checkpoint (every rank, collective inside the step handler's load)."""
+    """Load the newest usable checkpoint. Every rank calls it and tries the same candidates in the same order.
+
+    ``on_corrupt: error``: a tracker or checkpoint that cannot be used is a :class:`CheckpointError` (exit 2)
+    naming the path and the reason. ``fallback``: older complete checkpoints are tried newest first, each
+    rejection logged; rank 0 then sets the rejected ones aside and points the tracker at the one loaded.
+    """
     ck = ctx.policy.checkpoint
     root = Path(ck.dir)
-    candidates = _candidates(root)
-    if not candidates:
-        if ck.resume == "required":
-            raise PhaseError(f"checkpoint.resume=required but {root / TRACKER} does not exist; start "
-                             f"without resume or point checkpoint.dir at a run", phase="train", rank=ctx.rank)
-        return
-    for i, path in enumerate(candidates):
-        try:
-            with ctx.events.span("resume", path=str(path)):
-                ctx.step = int(_handler(ctx).load(ctx, path))
-        except Exception as exc:
-            if ck.on_corrupt == "fallback" and i + 1 < len(candidates):
-                log.warning("checkpoint %s is unusable (%s); falling back to %s", path, exc, candidates[i + 1])
-                continue
-            raise PhaseError(f"cannot resume from checkpoint {path}: {exc}; fix or remove it, or set "
-                             f"checkpoint.on_corrupt=fallback", phase="train", rank=ctx.rank) from exc
-        ctx.resumed_from = ctx.step
+    found = ckptdir.candidates(root)
+    tracker = found.tracker
+    fallback = ck.on_corrupt == "fallback"
+    if tracker.error is not None and not fallback:
+        raise CheckpointError(f"cannot resume: the tracker {tracker.path} {tracker.error}; fix or remove it, or "
+                              f"set checkpoint.on_corrupt=fallback to load the newest complete checkpoint",
+                              path=str(tracker.path), phase="train", rank=ctx.rank)
+    if tracker.name is None and tracker.error is None and found.paths and not fallback:
+        raise CheckpointError(f"cannot resume: {root} holds checkpoints ({found.paths[0].name} ...) but no tracker "
+                              f"({ckptdir.TRACKER}); set checkpoint.on_corrupt=fallback to load the newest complete "
+                              f"one, or checkpoint.resume=never to start over", path=str(root), phase="train",
+                              rank=ctx.rank)
+    head = str(root / tracker.name) if tracker.name else None
+    if head is not None and head in found.rejected and not fallback:
+        raise CheckpointError(f"cannot resume from checkpoint {head}: {found.rejected[head]}; fix or remove it, or "
+                              f"set checkpoint.on_corrupt=fallback", path=head, phase="train", rank=ctx.rank)
+    rejected = dict(found.rejected)
+    for name, reason in rejected.items():
+        log.warning("checkpoint %s is unusable: %s", name, reason)
+    for path in found.paths:
+        local = _try_load(ctx, path)
+        failed = _agree_loaded(ctx, local is not None)
+        if not failed:
+            _loaded(ctx, root, path, tracker, rejected)
+            return
+        why = local or f"failed to load on ranks {failed} (see their logs)"
+        if not fallback:
+            raise CheckpointError(f"cannot resume from checkpoint {path}: {why}; fix or remove it, or set "
+                                  f"checkpoint.on_corrupt=fallback", path=str(path), phase="train", rank=ctx.rank)
+        log.warning("checkpoint %s is unusable (%s); trying an older one", path, why)
+        rejected[str(path)] = why
+    if ck.resume == "required":
+        detail = f"; rejected: {rejected}" if rejected else ""
+        raise CheckpointError(f"checkpoint.resume=required but {root} holds no usable checkpoint{detail}; start "
+                              f"with checkpoint.resume=auto or point checkpoint.dir at a run", path=str(root),
+                              phase="train", rank=ctx.rank)
+    if rejected or tracker.present:
+        log.warning("no usable checkpoint in %s: starting from step 0", root)
         if ctx.rank == 0:
-            print(f"resumed from step {ctx.step} ({path})", flush=True)
-        return
+            _set_aside(root, rejected, keep=None)
+            ckptdir.drop_tracker(root, "it names no usable checkpoint")
+
+
+def _loaded(ctx: RunContext, root: Path, path: Path, tracker: ckptdir.Tracker, rejected: dict[str, str]) -> None:
+    ctx.resumed_from = ctx.step
+    if ctx.rank == 0:
+        _set_aside(root, rejected, keep=path)
+        if tracker.name != path.name or tracker.error is not None:
+            ckptdir.write_tracker(root, ctx.resumed_from)  # the tracker must name what is there and loads
+        ckptdir.set_aside_untracked(root, path.name)
+        again = f"attempt {ctx.attempt}: " if ctx.attempt > 1 else ""
+        print(f"{again}resumed from step {ctx.step} ({path})", flush=True)
+
+
+def _set_aside(root: Path, rejected: dict[str, str], keep: Path | None) -> None:
+    """Rank 0: rejected checkpoints newer than the one loaded are renamed aside (never deleted)."""
+    limit = ckptdir.step_of(keep.name) if keep is not None else -1
+    for name, why in rejected.items():
+        folder = Path(name)
+        step = ckptdir.step_of(folder.name)
+        if folder.is_dir() and step is not None and limit is not None and step > limit:
+            ckptdir.set_aside(folder, why)

@@ -11,6 +11,7 @@ import os
 import sys
 import threading
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING
 
 from lifecycle.phases.points import run_points
@@ -54,6 +55,24 @@ class HardDeadline:
         self._timer.cancel()
 
 
+FAILURE_STEP_S = 3.0
+"""Seconds each abort/destroy call of the failure path may take before it is given up."""
+
+
+def bounded(fn: Callable[[], None], seconds: float, name: str) -> bool:
+    """Run ``fn`` on a daemon helper thread; True when it returned within ``seconds`` (its errors are logged)."""
+    def run() -> None:
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - the process is leaving; say what failed
+            log.debug("teardown %s: %s", name, exc)
+
+    helper = threading.Thread(target=run, name=f"lifecycle-{name}", daemon=True)
+    helper.start()
+    helper.join(seconds)
+    return not helper.is_alive()
+
+
 def _subgroups_newest_first() -> list[ProcessGroup]:
     """Every non-default process group, in reverse creation order (c10d keeps them in creation order)."""
     import torch.distributed.distributed_c10d as c10d
@@ -72,15 +91,19 @@ class TeardownPhase:
     def enabled(self, ctx: RunContext) -> bool:
         return True
 
-    def arm(self, ctx: RunContext) -> HardDeadline:
+    def arm(self, ctx: RunContext, *, step: str = "start") -> HardDeadline:
+        """Start the hard exit timer (``teardown.deadline_s``); ``cancel()`` it when teardown returned."""
         td = ctx.policy.teardown
+        deadline: HardDeadline
 
         def note(step: str) -> None:
-            ctx.events.instant("teardown_deadline", step_name=step, exit_code=td.exit_codes.teardown_deadline)
+            ctx.events.instant("teardown_deadline", step_name=step, exit_code=deadline.code)
             ctx.events.close()
 
-        self.deadline = HardDeadline(td.deadline_s, td.exit_codes.teardown_deadline, note).start()
-        return self.deadline
+        deadline = HardDeadline(td.deadline_s, td.exit_codes.teardown_deadline, note)
+        deadline.step = step
+        self.deadline = deadline.start()
+        return deadline
 
     def _mark(self, step: str) -> None:
         if self.deadline is not None:
@@ -95,15 +118,23 @@ class TeardownPhase:
                 getattr(self, f"_{step}")(ctx)
 
     def run_failure(self, ctx: RunContext, error: BaseException | None) -> None:
-        """No barrier, no waiting on peers: finish local work, abort or destroy, leave."""
+        """No barrier, no waiting on peers: finish local work, abort or destroy, leave.
+
+        Each call that can block on a dead peer (a gloo group whose collective timed out joins its worker
+        threads on destroy) runs on a helper thread and is given up after a few seconds: the process is leaving.
+        """
         self._mark("failure")
         ctx.drills.fire("teardown", op="failure")
+        budget = min(FAILURE_STEP_S, ctx.deadline("teardown"))
         with ctx.events.span("teardown:failure", error=type(error).__name__ if error else None):
             self._release_step_handler(ctx)
-            self._destroy_model_parallel(ctx)
-            if ctx.policy.teardown.failure == "abort":
-                self._abort(ctx)
-            self._destroy_process_group(ctx)
+            steps = ["destroy_model_parallel", *(["abort"] if ctx.policy.teardown.failure == "abort" else []),
+                     "destroy_process_group"]
+            for step in steps:
+                self._mark(f"failure:{step}")
+                if not bounded(partial(getattr(self, f"_{step}"), ctx), budget, step):
+                    ctx.events.instant("teardown_skipped", step_name=step, after_s=budget)
+                    log.warning("teardown: %s did not return within %gs; leaving without it", step, budget)
 
     def _barrier(self, ctx: RunContext) -> None:
         run_points(ctx, "before_teardown", ctx.deadline("teardown"))

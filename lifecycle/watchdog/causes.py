@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-from lifecycle.errors import HangError, LifecycleError
+from lifecycle.errors import HangError, LifecycleError, PolicyError, UsageError
 from lifecycle.jsontypes import Json, JsonDict
 from lifecycle.rundir import read_marker
 from lifecycle.watchdog import diagnosis
@@ -38,7 +38,7 @@ class Cause(NamedTuple):
     @property
     def urgent(self) -> bool:
         """Act at once: a hang or a divergence never resolves; a failed peer gets a grace to leave first."""
-        return self.kind in ("hang", "sequence")
+        return self.kind in ("hang", "sequence", "lost")
 
     def alarm(self, rank: int) -> JsonDict:
         """The JSON this rank sets as the alarm."""
@@ -124,13 +124,18 @@ def crossed_wait(tracker: ProgressTracker, ch: SideChannel, rank: int, world: in
 
 
 def classify(exc: BaseException) -> str:
-    """hang | peer (a peer's connection broke) | shutdown (the launcher stops the job) | sequence | failed."""
+    """hang | peer (a peer's connection broke) | shutdown (the launcher stops the job) | sequence | usage (a bad
+    policy, environment or checkpoint: exit 2, not a hang) | lost (the store's connection broke) | failed."""
+    if isinstance(exc, PolicyError | UsageError):
+        return "usage"
     if isinstance(exc, HangError):
         return "hang"
     if isinstance(exc, SequenceMismatch):
         return "sequence"
     if type(exc).__name__ == "Shutdown":
         return "shutdown"
+    if type(exc).__name__ == "DistNetworkError" or type(exc.__cause__).__name__ == "DistNetworkError":
+        return "lost"  # the store's connection broke: its host died, or the network to it did
     text = f"{exc} {exc.__cause__ or ''}"
     if any(sign in text for sign in _PEER_SIGNS):
         return "peer"

@@ -39,13 +39,14 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
-from lifecycle.errors import HangError
+from lifecycle.errors import ExitCode, HangError
 from lifecycle.jsontypes import JsonDict
 from lifecycle.watchdog import causes, diagnosis
+from lifecycle.watchdog.bounded import BoundedChannel, StoreUnavailable
 from lifecycle.watchdog.causes import Cause
 from lifecycle.watchdog.members import members_of
-from lifecycle.watchdog.report import publish
-from lifecycle.watchdog.sidechannel import SideChannel, connect
+from lifecycle.watchdog.report import publish, publish_local, publish_usage
+from lifecycle.watchdog.sidechannel import SideChannel, connect, store_address
 from lifecycle.watchdog.tracker import ProgressTracker
 
 if TYPE_CHECKING:
@@ -69,8 +70,15 @@ class Watchdog:
         self._stop = threading.Event()
         self._report_lock = threading.Lock()
         self._main_lock = threading.Lock()
-        self._channel: SideChannel | None = None
-        self._main: SideChannel | None = None
+        # Two store clients, each on its own I/O thread: the watchdog thread's and the failure path's. A call on
+        # a dead connection blocks only that I/O thread, never the thread that must act.
+        op_timeout = max(1.0, 2 * self.cfg.poll_interval_s)
+        self.store_address = store_address()
+        self._io: BoundedChannel[SideChannel] = BoundedChannel(
+            self._connect, op_timeout_s=op_timeout, name="lifecycle-watchdog-io", address=self.store_address)
+        self._io_main: BoundedChannel[SideChannel] = BoundedChannel(
+            self._connect, op_timeout_s=op_timeout, name="lifecycle-failure-io", address=self.store_address)
+        self._announced = False
         self._beats = causes.Heartbeats(self.rank, self.world, self.cfg.heartbeat_stale_s)
         self._next_probe = 0.0
         self._thread = threading.Thread(target=self._run, name="lifecycle-watchdog", daemon=True)
@@ -94,19 +102,18 @@ class Watchdog:
         if self.progress.on_event in self.ctx.events.listeners:
             self.ctx.events.listeners.remove(self.progress.on_event)
 
+    def _connect(self) -> SideChannel | None:
+        """Runs on an I/O thread: connecting may block as long as the init deadline."""
+        store = connect(self.ctx.deadline("init"))
+        return None if store is None else SideChannel(store, self.ctx.policy.run.id)
+
     def _run(self) -> None:
-        try:
-            store = connect(self.ctx.deadline("init"))
-            if store is not None:
-                self._channel = SideChannel(store, self.ctx.policy.run.id)
-                self._main = self._channel.clone()
-                self._channel.announce(self.rank, self.progress.record())
-        except Exception as exc:  # noqa: BLE001 - deadlines are still watched locally
-            log.warning("watchdog: no side channel (%s); peers will not be diagnosed", exc)
         while not self._stop.is_set():
             self._tick()
             self._stop.wait(self._sleep_s())
-        self._safe(lambda ch: ch.publish(self.rank, self.progress.record()), self._channel)
+        self._safe(lambda ch: ch.publish(self.rank, self.progress.record()), self._io)
+        self._io.close()
+        self._io_main.close()
 
     def _sleep_s(self) -> float:
         """Until the next poll, or exactly until this rank's deadline passes if that comes first."""
@@ -116,20 +123,37 @@ class Watchdog:
         return max(min(self.cfg.poll_interval_s, left), 0.01)
 
     def _tick(self) -> None:
-        ch = self._channel
-        self._safe(self._publish_and_beat, ch)
+        # The local checks first: they touch no network and can never be delayed by a dead store.
         if self.failing or self.reported is not None:
+            self._safe(self._publish_and_beat, self._io)
             return
         cause = (causes.deadline_passed(self.progress, self.ctx.deadline(self.progress.phase), self.rank)
-                 or self._safe(lambda c: causes.from_alarm(c, self.rank), ch)
-                 or causes.from_marker(self.ctx.run_dir) or self._safe(self._beats.check, ch)
-                 or self._safe(self._crossed, ch))
+                 or causes.from_marker(self.ctx.run_dir) or self._lost())
+        if cause is None:
+            io = self._io
+            self._safe(self._publish_and_beat, io)
+            cause = (self._safe(lambda c: causes.from_alarm(c, self.rank), io)
+                     or self._safe(self._beats.check, io) or self._safe(self._crossed, io))
         if cause is not None:
-            self.fire(cause, ch)
+            self.fire(cause, self._io)
 
     def _publish_and_beat(self, ch: SideChannel) -> int:
+        if not self._announced:
+            ch.announce(self.rank, self.progress.record())
+            self._announced = True
         ch.publish(self.rank, self.progress.record())
         return ch.beat(self.rank)
+
+    def _lost(self) -> Cause | None:
+        """The store has not answered for ``heartbeat_stale_s``: this rank is cut off from its peers."""
+        down = self._io.down_for()
+        if down <= self.cfg.heartbeat_stale_s:
+            return None
+        since = time.strftime("%H:%M:%S", time.gmtime(self._io.down_since_wall or time.time()))
+        own = diagnosis.where(self.progress.record(), time.time())
+        return Cause("lost", f"side channel lost: store {self.store_address} unreachable since {since} UTC "
+                     f"({down:.1f}s; {self._io.last_error}); rank {self.rank} was at {own}", self.rank,
+                     self.progress.phase)
 
     def _crossed(self, ch: SideChannel) -> Cause | None:
         # Only while this rank sits in one op for two polls, then every four: O(1) store calls otherwise.
@@ -139,17 +163,16 @@ class Watchdog:
         self._next_probe = time.monotonic() + 4 * poll
         return causes.crossed_wait(self.progress, ch, self.rank, self.world)
 
-    def _safe(self, fn: Callable[[SideChannel], T], ch: SideChannel | None) -> T | None:
-        if ch is None:
-            return None
+    def _safe(self, fn: Callable[[SideChannel], T], io: BoundedChannel[SideChannel]) -> T | None:
+        """``fn(channel)`` on ``io``'s thread, bounded; None when the store does not answer in time."""
         try:
-            return fn(ch)
-        except Exception as exc:  # noqa: BLE001 - a dead store must not kill the watchdog
-            log.debug("watchdog store call failed: %r", exc)
+            return io.call(fn)
+        except StoreUnavailable as exc:
+            log.debug("watchdog store call failed: %s", exc)
             return None
 
     # ---- report and act -----------------------------------------------------------------------
-    def fire(self, cause: Cause, ch: SideChannel | None) -> None:
+    def fire(self, cause: Cause, ch: BoundedChannel[SideChannel]) -> None:
         """Report ``cause`` (once per rank) and run the policy action (watchdog thread)."""
         if cause.origin == self.rank:
             self._safe(lambda c: c.raise_alarm(cause.alarm(self.rank)), ch)
@@ -164,28 +187,44 @@ class Watchdog:
         codes = self.ctx.policy.teardown.exit_codes
         self.progress.set_state("aborted", f"watchdog: {cause.kind}")
         self._safe(lambda c: c.publish(self.rank, self.progress.record()), ch)
-        abort_and_exit(self.ctx, codes.hang if cause.kind == "hang" else codes.rank_failed)
+        code = {"hang": codes.hang, "lost": codes.hang, "usage": ExitCode.USAGE}.get(cause.kind, codes.rank_failed)
+        abort_and_exit(self.ctx, code)
 
-    def report(self, cause: Cause, ch: SideChannel | None) -> diagnosis.Diagnosis | None:
-        """Build, print and record the report; None if this rank already reported."""
+    def report(self, cause: Cause, ch: BoundedChannel[SideChannel]) -> diagnosis.Diagnosis | None:
+        """Build, print and record the report; None if this rank already reported.
+
+        A configuration error (a bad policy, environment or checkpoint) is not a hang: one line, no diagnosis
+        of who is stuck, no hang_report.json, no stacks.
+        """
         # Held while publishing: the other thread must not close the event log under a report.
         with self._report_lock:
             if self.reported is not None:
                 return None
+            if cause.kind == "usage":
+                d = self.reported = diagnosis.Diagnosis(cause.kind, cause.detail, cause.origin, cause.phase,
+                                                        culprits=[] if cause.origin is None else [cause.origin])
+                publish_usage(self.ctx, d)
+                return d
+            if cause.kind == "lost":  # nobody else can be asked: report this rank's own view, locally
+                records: dict[int, JsonDict | None] = {self.rank: self.progress.record()}
+                d = self.reported = diagnosis.Diagnosis(cause.kind, cause.detail, self.rank, cause.phase,
+                                                        records=records, now=time.time())
+                publish_local(self.ctx, d)
+                return d
             d = self.reported = self._diagnose(cause, ch)
             publish(self.ctx, d, dump_stacks=cause.kind in ("hang", "dead"))
         return d
 
-    def _diagnose(self, cause: Cause, ch: SideChannel | None) -> diagnosis.Diagnosis:
-        records: dict[int, JsonDict | None] = {}
+    def _diagnose(self, cause: Cause, ch: BoundedChannel[SideChannel]) -> diagnosis.Diagnosis:
         if not cause.urgent:
             # Peers that still move publish once per poll: give them one to show where the failure found them.
             time.sleep(min(self.cfg.poll_interval_s, 0.5))
-        if ch is not None:
-            try:
-                records = ch.records(self._ranks_to_read(cause))
-            except Exception as exc:  # noqa: BLE001 - report what this rank knows
-                log.warning("watchdog: cannot read peer records: %s", exc)
+        wanted = self._ranks_to_read(cause)
+        read = self._safe(lambda c: c.records(wanted), ch)
+        records: dict[int, JsonDict | None] = read or {}
+        unreachable = None
+        if read is None and not ch.absent:
+            unreachable = f"the store {self.store_address} does not answer ({ch.last_error})"
         records[self.rank] = self.progress.record()
         dead = dict(cause.dead)
         marker = causes.from_marker(self.ctx.run_dir)
@@ -196,7 +235,8 @@ class Watchdog:
         dead.update({r: how for r, how in diagnosis.stale_ranks(records, now, self.cfg.heartbeat_stale_s).items()
                      if r not in dead})
         return diagnosis.diagnose(cause.kind, cause.detail, records, self.world, dead=dead, origin=cause.origin,
-                                  phase=cause.phase or self.progress.phase, hint=cause.hint, now=now)
+                                  phase=cause.phase or self.progress.phase, hint=cause.hint, now=now,
+                                  unreachable=unreachable)
 
     def _ranks_to_read(self, cause: Cause) -> list[int]:
         if self.world <= FULL_VIEW_MAX:
@@ -225,10 +265,14 @@ class Watchdog:
         phase = self.progress.phase
         self.progress.set_state("failed", text)
         with self._main_lock:
-            ch = self._main
+            ch = self._io_main
             self._safe(lambda c: c.publish(self.rank, self.progress.record()), ch)
             if kind in ("peer", "shutdown"):
                 cause = self._origin(ch) or Cause("dead", text, None, phase)
+            elif kind == "lost":
+                own = diagnosis.where(self.progress.record(), time.time())
+                cause = Cause("lost", f"side channel lost: store {self.store_address} unreachable ({text}); rank "
+                              f"{self.rank} was at {own}", self.rank, phase)
             else:
                 hint = list(getattr(exc, "ranks", None) or getattr(exc, "missing", None) or [])
                 detail = {"failed": f"rank {self.rank} raised {text}", "sequence": str(exc)}.get(
@@ -236,12 +280,14 @@ class Watchdog:
                 cause = Cause(kind, detail, self.rank, phase, {}, hint)
                 self._safe(lambda c: c.raise_alarm(cause.alarm(self.rank)), ch)
             d = self.report(cause, ch) or self.reported
+        if kind == "lost":
+            return HangError(cause.detail, phase=phase, rank=self.rank, group="store")
         if kind == "hang" and not isinstance(exc, HangError) and d is not None:
             return HangError(f"{exc} [watchdog: stuck ranks {d.culprits}]", missing=d.culprits, phase=phase,
                              rank=self.rank)
         return exc
 
-    def _origin(self, ch: SideChannel | None) -> Cause | None:
+    def _origin(self, ch: BoundedChannel[SideChannel]) -> Cause | None:
         """Who failed first (the alarm or the launcher's marker), waiting up to the grace for the news."""
         deadline = time.monotonic() + self.grace_s
         while True:
@@ -253,7 +299,7 @@ class Watchdog:
     def peer_records(self, ranks: list[int]) -> dict[int, JsonDict | None]:
         """The last published records of ``ranks`` (training thread; empty without a side channel)."""
         with self._main_lock:
-            return self._safe(lambda c: c.records(ranks), self._main) or {}
+            return self._safe(lambda c: c.records(ranks), self._io_main) or {}
 
     # ---- fields the record takes from the run context (watchdog thread) -----------------------
     def _extra(self) -> JsonDict:

@@ -28,6 +28,8 @@ CAUSES = {
     "dead": "RANK DIED",
     "failed": "RANK FAILED",
     "sequence": "COLLECTIVE SEQUENCE MISMATCH",
+    "usage": "CONFIGURATION ERROR",
+    "lost": "SIDE CHANNEL LOST",
 }
 ALL_RANKS = ("world", "store")
 
@@ -68,11 +70,14 @@ class Diagnosis:
     """Ranks behind on the store sync points (checkpoint and barrier keys): rank -> points passed."""
     now: float = 0.0
     """Wall-clock time of the diagnosis (records carry the writer's wall-clock ``t``)."""
+    unreachable: str | None = None
+    """Why the peers could not be asked (the store does not answer): then nobody is named stuck."""
 
     def to_json(self) -> JsonDict:
         return {
             "t": self.now, "cause": self.cause, "detail": self.detail, "origin_rank": self.origin, "phase": self.phase,
             "culprits": self.culprits, "dead": {str(r): how for r, how in self.dead.items()},
+            "peers_unreachable": self.unreachable,
             "waits": {str(r): {**vars(w)} for r, w in self.waits.items()},
             "ranks": {str(r): rec for r, rec in self.records.items()},
         }
@@ -106,12 +111,17 @@ def stale_ranks(records: dict[int, JsonDict | None], now: float, stale_s: float)
 
 def diagnose(cause: str, detail: str, records: dict[int, JsonDict | None], world: int, *,
              dead: dict[int, str] | None = None, origin: int | None = None, phase: str | None = None,
-             hint: list[int] | None = None, now: float = 0.0) -> Diagnosis:
+             hint: list[int] | None = None, now: float = 0.0, unreachable: str | None = None) -> Diagnosis:
     """Build the verdict from the records of the ranks read (``None``: the rank published nothing).
 
     ``hint`` lists ranks an op that timed out on this rank found missing (a store barrier knows who
     did not arrive even when no span marks it): they are culprits when the records name nobody.
+    ``unreachable`` says why no peer record could be read: then only this rank's own position is known.
     """
+    if unreachable is not None:
+        own: dict[int, JsonDict | None] = {r: rec for r, rec in records.items() if rec is not None}
+        return Diagnosis(cause, detail, origin, phase, {}, sorted(set(hint or [])), dict(dead or {}), own, {}, now,
+                         unreachable)
     dead = dict(dead or {})
     live = {r: rec for r, rec in records.items() if rec is not None and r not in dead}
     waits = {}
@@ -162,7 +172,7 @@ def crossed(rank: int, op: Op, begun: dict[str, int], peers: dict[int, JsonDict 
     return None
 
 
-def _where(rec: JsonDict | None, now: float) -> str:
+def where(rec: JsonDict | None, now: float) -> str:
     if rec is None:
         return "never reported (it died or hung before its watchdog started)"
     op = rec.get("op") or rec.get("last")
@@ -182,6 +192,13 @@ def _where(rec: JsonDict | None, now: float) -> str:
 def render(d: Diagnosis, rank: int, *, extra: list[str] | None = None) -> str:
     """The report printed on ``rank``: one header line, then what this rank waits for and who is stuck."""
     lines = [f"lifecycle watchdog: {CAUSES.get(d.cause, d.cause.upper())} in phase {d.phase}: {d.detail}"]
+    if d.unreachable is not None:
+        lines.append(f"  rank {rank} is at {where(d.records.get(rank), d.now)}")
+        lines.append(f"  peers could not be asked: {d.unreachable} (a network partition, or the store's host died)")
+        if d.culprits:
+            lines.append(f"  the op that timed out here names ranks [{fmt_ranks(d.culprits)}] as missing")
+        lines.extend(extra or [])
+        return "\n".join(f"[rank {rank}] {line}" for line in lines)
     mine = d.waits.get(rank)
     if mine is not None:
         lines.append(f"  rank {rank} {mine.describe()}")
@@ -193,7 +210,7 @@ def render(d: Diagnosis, rank: int, *, extra: list[str] | None = None) -> str:
         who = "this rank" if r == rank else f"rank {r}"
         behind = (f"; it passed {d.lagging[r]} store sync points (barriers, checkpoint keys), the others {top}"
                   if r in d.lagging else "")
-        lines.append(f"  stuck: {who} [{state}]: {_where(rec, d.now)}{behind}")
+        lines.append(f"  stuck: {who} [{state}]: {where(rec, d.now)}{behind}")
     if not d.culprits:
         lines.append("  no rank is behind by the progress records; positions: " + "; ".join(
             f"rank {r}: {w.op}/{w.group}#{w.seq}" for r, w in sorted(d.waits.items())[:16]))

@@ -54,6 +54,36 @@ def publish(ctx: RunContext, d: diagnosis.Diagnosis, *, dump_stacks: bool) -> No
             pass
 
 
+def publish_local(ctx: RunContext, d: diagnosis.Diagnosis) -> None:
+    """This rank cannot reach its peers: print its own view, write ``hang_report.<rank>.json`` beside the run's
+    files, record the event, dump the stacks."""
+    path = Path(ctx.run_dir) / local_report_name(ctx.rank)
+    _write_json(path, {**d.to_json(), "reporter": ctx.rank, "world_size": ctx.world_size, "local": True})
+    print(diagnosis.render(d, ctx.rank, extra=[f"  report: {path}"]), file=sys.stderr, flush=True)
+    ctx.events.instant("hang_report", cause=d.cause, detail=d.detail[:500], origin=d.origin, culprits=[],
+                       report=str(path))
+    ctx.events.flush()
+    print(f"[rank {ctx.rank}] Python stacks of every thread (faulthandler):", file=sys.stderr, flush=True)
+    try:
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+def local_report_name(rank: int) -> str:
+    stem, _, ext = HANG_REPORT.rpartition(".")
+    return f"{stem}.{rank}.{ext}"
+
+
+def publish_usage(ctx: RunContext, d: diagnosis.Diagnosis) -> None:
+    """A configuration error: one line on stderr and an event (the error itself says what to fix)."""
+    where = "this rank" if d.origin == ctx.rank else f"rank {d.origin}" if d.origin is not None else "a rank"
+    print(f"[rank {ctx.rank}] lifecycle: stopping in phase {d.phase}: {where} hit a configuration error: "
+          f"{d.detail[:300]}", file=sys.stderr, flush=True)
+    ctx.events.instant("hang_report", cause=d.cause, detail=d.detail[:500], origin=d.origin, culprits=d.culprits)
+    ctx.events.flush()
+
+
 def _write_json(path: Path, data: JsonDict) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:

@@ -49,6 +49,11 @@ def connect(timeout_s: float, op_timeout_s: float = 5.0) -> Store | None:
     return store
 
 
+def store_address() -> str:
+    """``HOST:PORT`` of the rendezvous store, for messages."""
+    return f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+
+
 class SideChannel:
     """The watchdog's keys on one store client. Each method is one store call unless it says otherwise."""
 

@@ -89,6 +89,7 @@ def test_synthetic_train_with_checkpoints(tmp_path: Path) -> None:
     assert run.code == 0, run.output
     ck = run.run_dir / "checkpoints"
     assert (ck / "latest").read_text().strip() == "iter_0000006"
-    assert sorted(p.name for p in ck.iterdir()) == ["iter_0000003", "iter_0000006", "latest"]
+    assert sorted(p.name for p in ck.iterdir()) == ["iter_0000003", "iter_0000006", "latest",
+                                                   "latest_checkpointed_iteration.txt"]
     s = run.summary()
     assert s["exit_code"] == 0 and [c["step"] for c in s["checkpoints"]] == [3, 6]

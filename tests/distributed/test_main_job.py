@@ -26,7 +26,9 @@ def test_default_job_trains_saves_and_exits_0(tmp_path: Path) -> None:
     assert s["loss"]["steps"] == 20 and s["loss"]["last"] < 0.6 * s["loss"]["first"]
     ck = run.run_dir / "checkpoints"
     assert (ck / "latest").read_text().strip() == "iter_0000020"
-    assert sorted(p.name for p in ck.iterdir()) == ["iter_0000010", "iter_0000020", "latest"]
+    assert sorted(p.name for p in ck.iterdir()) == ["iter_0000010", "iter_0000020", "latest",
+                                                   "latest_checkpointed_iteration.txt"]
+    assert (ck / "latest_checkpointed_iteration.txt").read_text().strip() == "20"  # Megatron-LM's tracker
     assert (ck / "iter_0000020" / "metadata.json").is_file()
     for phase in ("init", "warmup", "train", "checkpoint", "teardown"):
         assert phase in s["phases"] and f"  {phase}" in run.proc.stdout
@@ -48,7 +50,8 @@ def test_resume_continues_the_loss_curve(tmp_path: Path) -> None:
     assert first.code == 0, first.output
     resumed = lifecycle_run(tmp_path / "c", 4, *FAST, "train.steps=12", f"checkpoint.dir={ck}")
     assert resumed.code == 0, resumed.output
-    assert sorted(p.name for p in ck.iterdir()) == ["iter_0000010", "iter_0000012", "latest"]
+    assert sorted(p.name for p in ck.iterdir()) == ["iter_0000010", "iter_0000012", "latest",
+                                                   "latest_checkpointed_iteration.txt"]
     assert "resumed from step 10" in resumed.proc.stdout
     a, c = _losses(full), _losses(resumed)
     assert sorted(c) == [11, 12]
@@ -63,7 +66,7 @@ def test_sigterm_to_one_rank_saves_the_same_step_everywhere(tmp_path: Path) -> N
     assert "preempted at step 5, saved" in run.proc.stdout
     ck = run.run_dir / "checkpoints"
     assert (ck / "latest").read_text().strip() == "iter_0000005"
-    assert sorted(p.name for p in ck.iterdir()) == ["iter_0000005", "latest"]
+    assert sorted(p.name for p in ck.iterdir()) == ["iter_0000005", "latest", "latest_checkpointed_iteration.txt"]
     for rank, evs in run.events().items():
         steps = [e["step"] for e in evs if e["name"] == "step" and e["kind"] == "end"]
         assert max(steps) == 5, rank
@@ -80,3 +83,65 @@ def test_crash_mid_save_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
     again = lifecycle_run(tmp_path / "b", 4, *FAST, "train.steps=7", f"checkpoint.dir={ck}")
     assert again.code == 0, again.output
     assert "resumed from step 6" in again.proc.stdout
+
+
+def _scribble(folder: Path) -> Path:
+    """Overwrite the middle of the largest shard with zeros (same size: only a real load can notice)."""
+    shard = max(folder.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 4: len(data) // 2] = bytes(len(data) // 2 - len(data) // 4)
+    shard.write_bytes(bytes(data))
+    return shard
+
+
+@pytest.mark.timeout(170)
+def test_corrupt_checkpoints_exit_2_or_fall_back_and_pruning_never_deletes_committed_work(tmp_path: Path) -> None:
+    ck = tmp_path / "ckpt"
+    first = lifecycle_run(tmp_path / "a", 2, *FAST, "train.steps=10", "checkpoint.every_steps=5",
+                          "checkpoint.keep_last=0", f"checkpoint.dir={ck}")
+    assert first.code == 0, first.output
+    shard = _scribble(ck / "iter_0000010")
+    # on_corrupt=error: every rank fails the same load (torch's CheckpointException is a BaseException), exit 2,
+    # the message names the checkpoint; nothing in the folder changes.
+    strict = lifecycle_run(tmp_path / "b", 2, *FAST, "train.steps=12", f"checkpoint.dir={ck}")
+    assert strict.code == 2, strict.output
+    assert f"cannot resume from checkpoint {ck / 'iter_0000010'}" in strict.output
+    assert "Traceback" not in strict.output
+    assert (ck / "latest").read_text().strip() == "iter_0000010" and shard.exists()
+    # fallback + keep_last=1: resume from 5, set 10 aside, commit 10 and 15; 5 is kept (resumed from).
+    again = lifecycle_run(tmp_path / "c", 2, *FAST, "train.steps=15", "checkpoint.every_steps=5",
+                          "checkpoint.keep_last=1", "checkpoint.on_corrupt=fallback", f"checkpoint.dir={ck}")
+    assert again.code == 0, again.output
+    assert "resumed from step 5" in again.proc.stdout
+    names = sorted(p.name for p in ck.iterdir())
+    assert [n for n in names if n.startswith("iter_") and "." not in n] == ["iter_0000005", "iter_0000015"], names
+    assert any(n.startswith("iter_0000010.corrupt-") for n in names), names
+    assert (ck / "latest").read_text().strip() == "iter_0000015"
+    # a truncated shard is found from the manifest before any rank starts
+    newest = max((ck / "iter_0000015").glob("*.distcp"), key=lambda p: p.stat().st_size)
+    newest.write_bytes(newest.read_bytes()[:100])
+    refused = lifecycle_run(tmp_path / "d", 2, *FAST, "train.steps=20", f"checkpoint.dir={ck}")
+    assert refused.code == 2 and f"{newest.name} has 100 bytes" in refused.output, refused.output
+    assert "Traceback" not in refused.output and not (tmp_path / "d" / "run" / "events").exists()
+
+
+@pytest.mark.timeout(170)
+def test_running_the_same_command_again_continues_the_run(tmp_path: Path) -> None:
+    args = (*FAST, "train.steps=8", "checkpoint.every_steps=4", "+faults=[{at: train, step: 6, ranks: [1], "
+            "action: crash}]")
+    first = lifecycle_run(tmp_path, 2, *args)
+    assert first.code == 4 and "rank 1 failed first" in first.output, first.output
+    second = lifecycle_run(tmp_path, 2, *FAST, "train.steps=8", "checkpoint.every_steps=4")
+    assert second.code == 0, second.output
+    assert "attempt 2: resumed from step 4" in second.proc.stdout
+    run_dir = tmp_path / "run"
+    assert (run_dir / "attempts" / "1" / "events" / "rank_1.jsonl").is_file()
+    assert (run_dir / "attempts" / "1" / "summary.json").is_file()
+    s = second.summary()
+    assert s["attempt"] == 2 and s["exit_code"] == 0 and s["resumed_from"] == 4
+    assert s["earlier_attempts"][0]["attempt"] == 1 and s["earlier_attempts"][0]["exit_code"] == 4
+    steps = [e["step"] for e in second.events()[0] if e["name"] == "step" and e["kind"] == "end"]
+    assert steps == [5, 6, 7, 8]
+    assert "earlier  attempt 1" in second.proc.stdout
+    never = lifecycle_run(tmp_path, 2, *FAST, "checkpoint.resume=never")
+    assert never.code == 2 and "already holds a run" in never.output

@@ -8,7 +8,7 @@ import pytest
 import torch.distributed as dist
 
 from lifecycle.context import RunContext
-from lifecycle.errors import PhaseError, PolicyError
+from lifecycle.errors import CheckpointError, PhaseError, PolicyError
 from lifecycle.phases import checkpoint
 from lifecycle.phases.init import InitPhase
 from lifecycle.phases.teardown import HardDeadline, TeardownPhase
@@ -120,7 +120,8 @@ def test_checkpoint_commits_in_two_phases_and_resumes(make_ctx: MakeCtx, tmp_pat
     TrainPhase(checkpoint.save).run(ctx)
     root = tmp_path / "ckpt"
     assert (root / "latest").read_text().strip() == "iter_0000002"
-    assert sorted(p.name for p in root.iterdir()) == ["iter_0000002", "latest"]
+    assert sorted(p.name for p in root.iterdir()) == ["iter_0000002", "latest", "latest_checkpointed_iteration.txt"]
+    assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
     assert ctx.saved == [str(root / "iter_0000002")] and ctx.pending_save is None
     done = names(ctx)
     assert done.index("barrier:ckpt_prepare") < done.index("save") < done.index("commit") < \
@@ -145,7 +146,7 @@ def test_async_checkpoint_commits_at_the_next_boundary(make_ctx: MakeCtx, tmp_pa
 
 def test_resume_required_without_a_checkpoint_is_an_error(make_ctx: MakeCtx) -> None:
     ctx = _init(make_ctx({"checkpoint": {"resume": "required"}}))
-    with pytest.raises(PhaseError, match="resume=required"):
+    with pytest.raises(CheckpointError, match="resume=required"):
         TrainPhase(checkpoint.save).run(ctx)
 
 

@@ -1,0 +1,100 @@
+"""Two nodes (network namespaces joined by a veth pair), `torchrun --nnodes 2` on each: a clean run, the link
+cut mid-train, the store's host killed, and a re-run that resumes. Every rank must leave on its own within
+step deadline + heartbeat_stale_s + 10 s, naming the other side or the lost store.
+
+Needs root and `ip netns` (skipped with the reason otherwise). Every namespace and process is removed at
+the end, whatever happens.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.multinode.cluster import TwoNodes, why_not_available
+
+_WHY = why_not_available()
+pytestmark = [pytest.mark.multinode, pytest.mark.skipif(_WHY is not None, reason=_WHY or "")]
+
+STEP_S, STALE_S = 5.0, 5.0
+BOUND_S = STEP_S + STALE_S + 10.0
+RANKS = {0: (0, 1), 1: (2, 3)}  # node index -> global ranks
+
+
+def _exit_codes(tmp: Path, node: int) -> dict[int, int | str]:
+    """Per rank of ``node``: the exit code its events recorded (or how it ended without one)."""
+    out: dict[int, int | str] = {}
+    for rank in RANKS[node]:
+        path = tmp / f"node{node}" / "run" / "events" / f"rank_{rank}.jsonl"
+        events = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() \
+            else []
+        ends = [e for e in events if e.get("name") in ("exit", "teardown_deadline")]
+        out[rank] = ends[-1].get("exit_code", "?") if ends else "no exit event"
+    return out
+
+
+def _committed_step(tmp: Path) -> int:
+    return int((tmp / "ckpt" / "latest_checkpointed_iteration.txt").read_text())
+
+
+@pytest.mark.timeout(150)
+def test_a_clean_two_node_run_exits_0_on_both_nodes(tmp_path: Path) -> None:
+    with TwoNodes(tmp_path) as c:
+        c.start("train.steps=30")
+        codes = c.wait_agents(120)
+        assert codes == {n.name: 0 for n in c.nodes}, [n.output()[-3000:] for n in c.nodes]
+        assert all(not n.rank_pids() for n in c.nodes)
+        assert _committed_step(tmp_path) == 30
+        assert _exit_codes(tmp_path, 0) == {0: 0, 1: 0} and _exit_codes(tmp_path, 1) == {2: 0, 3: 0}
+
+
+@pytest.mark.timeout(170)
+def test_a_cut_link_takes_every_rank_down_in_bounded_time_and_a_rerun_resumes(tmp_path: Path) -> None:
+    with TwoNodes(tmp_path) as c:
+        c.start("train.steps=300")
+        assert c.wait_for(tmp_path / "ckpt" / "latest", 90), [n.output()[-3000:] for n in c.nodes]
+        time.sleep(1.0)
+        cut = c.cut()
+        gone = c.wait_ranks_gone(BOUND_S + 20)
+        took = {name: (t - cut if t is not None else None) for name, t in gone.items()}
+        assert all(t is not None and t <= BOUND_S for t in took.values()), (took, BOUND_S)
+        a, b = c.nodes
+        # Each side names the other side's ranks or the lost store.
+        assert re.search(r"rank [23]\b|\b2-3\b|side channel lost", a.output()), a.output()[-4000:]
+        assert re.search(r"rank [01]\b|\b0-1\b|side channel lost|store \S+ does not answer", b.output()), \
+            b.output()[-4000:]
+        for node in (0, 1):
+            codes = _exit_codes(tmp_path, node)
+            assert all(code not in (0, "no exit event") for code in codes.values()), (node, codes)
+        c.wait_agents(30)
+        c.kill_all()
+        assert all(not n.rank_pids() for n in c.nodes)
+        last = _committed_step(tmp_path)
+        c.mend()
+        c.start("train.steps=300", attempt=2)  # the same commands again
+        codes = c.wait_agents(120)
+        assert codes == {n.name: 0 for n in c.nodes}, [n.output()[-3000:] for n in c.nodes]
+        assert f"attempt 2: resumed from step {last}" in a.output()
+        assert _committed_step(tmp_path) == 300
+
+
+@pytest.mark.timeout(150)
+def test_killing_the_store_host_takes_every_rank_down_in_bounded_time(tmp_path: Path) -> None:
+    with TwoNodes(tmp_path) as c:
+        c.start("train.steps=300")
+        assert c.wait_for(tmp_path / "ckpt" / "latest", 90), [n.output()[-3000:] for n in c.nodes]
+        time.sleep(1.0)
+        killed = c.kill_agent(c.nodes[0])  # torchrun's agent on node A hosts the rendezvous store
+        gone = c.wait_ranks_gone(BOUND_S + 20)
+        took = {name: (t - killed if t is not None else None) for name, t in gone.items()}
+        assert all(t is not None and t <= BOUND_S for t in took.values()), (took, BOUND_S)
+        for n in c.nodes:
+            assert re.search(r"side channel lost: store \S+ unreachable", n.output()), n.output()[-4000:]
+        for node in (0, 1):
+            codes = _exit_codes(tmp_path, node)
+            assert all(code not in (0, "no exit event") for code in codes.values()), (node, codes)
+        assert _committed_step(tmp_path) >= 10

@@ -1,0 +1,127 @@
+"""Checks before any rank starts: folders, the launcher's environment, the checkpoint folder."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from lifecycle import ckptdir
+from lifecycle.errors import PolicyError, UsageError
+from lifecycle.preflight import check_dirs, check_resume, dir_problem, rank_env
+
+
+def test_a_writable_folder_passes_and_is_created(tmp_path: Path) -> None:
+    assert dir_problem(str(tmp_path / "a" / "b")) is None
+    assert (tmp_path / "a" / "b").is_dir() and list((tmp_path / "a" / "b").iterdir()) == []
+
+
+@pytest.mark.parametrize("path,why", [
+    ("f", "is a file"), ("f/sub", "has a parent"), ("/proc/self/run", "is under /proc"),
+    ("/sys/kernel/x", "is under /sys"),
+])
+def test_folders_a_run_cannot_write_are_named(tmp_path: Path, path: str, why: str) -> None:
+    (tmp_path / "f").write_text("x")
+    assert why in (dir_problem(str(tmp_path / path)) or "")
+
+
+def test_a_symlink_loop_is_named(tmp_path: Path) -> None:
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    assert "symlink loop" in (dir_problem(str(tmp_path / "a" / "run")) or "") or \
+        "not writable" in (dir_problem(str(tmp_path / "a" / "run")) or "")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_an_unwritable_folder_is_named(tmp_path: Path) -> None:
+    (tmp_path / "ro").mkdir(mode=0o500)
+    assert "not writable" in (dir_problem(str(tmp_path / "ro" / "run")) or "")
+
+
+def test_check_dirs_lists_every_bad_key(tmp_path: Path) -> None:
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(PolicyError) as info:
+        check_dirs(str(tmp_path / "f"), "/proc/ckpt")
+    assert [i.path for i in info.value.issues] == ["run.dir", "checkpoint.dir"]
+    assert info.value.exit_code == 2
+
+
+@pytest.mark.parametrize("env,match", [
+    ({}, "RANK is not set"),
+    ({"RANK": "zz", "WORLD_SIZE": "4"}, "RANK='zz' is not an integer"),
+    ({"RANK": "0", "WORLD_SIZE": "0"}, "WORLD_SIZE=0 must be at least 1"),
+    ({"RANK": "5", "WORLD_SIZE": "4"}, r"RANK=5 is outside the world of WORLD_SIZE=4 ranks \(0..3\)"),
+    ({"RANK": "-1", "WORLD_SIZE": "4"}, "outside the world"),
+    ({"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "zz"}, "LOCAL_RANK='zz' is not an integer"),
+    ({"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "-2"}, "LOCAL_RANK=-2 must be >= 0"),
+])
+def test_the_launcher_environment_is_range_checked(env: dict[str, str], match: str) -> None:
+    with pytest.raises(UsageError, match=match):
+        rank_env(env)
+
+
+def test_rank_env_reads_a_good_environment() -> None:
+    assert rank_env({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}) == (3, 4, 1)
+
+
+def _committed(root: Path, step: int) -> Path:
+    folder = root / ckptdir.iter_name(step)
+    folder.mkdir(parents=True)
+    (folder / "rank_0.pt").write_bytes(b"x" * 100)
+    (folder / "metadata.json").write_text("{}")
+    ckptdir.write_manifest(folder)
+    ckptdir.write_tracker(root, step)
+    return folder
+
+
+@pytest.mark.parametrize("content,why", [
+    (b"\xff\xfe garbage", "is not UTF-8 text (byte 0)"),
+    (b"../../etc\n", "not an iter_NNNNNNN folder"),
+    (b"iter_0000010/../../x", "not an iter_NNNNNNN folder"),
+    (b"", "not an iter_NNNNNNN folder"),
+    (b"x" * 1000, "longer than 256 bytes"),
+])
+def test_a_bad_tracker_is_named_and_never_followed(tmp_path: Path, content: bytes, why: str) -> None:
+    _committed(tmp_path, 10)
+    (tmp_path / ckptdir.TRACKER).write_bytes(content)
+    tracker = ckptdir.read_tracker(tmp_path)
+    assert tracker.name is None and why in (tracker.error or "")
+    with pytest.raises(PolicyError, match="the tracker"):
+        check_resume(str(tmp_path), "auto", "error")
+    check_resume(str(tmp_path), "auto", "fallback")  # the ranks will fall back to iter_0000010
+    assert [p.name for p in ckptdir.candidates(tmp_path).paths] == ["iter_0000010"]
+
+
+def test_megatron_lm_tracker_alone_is_read(tmp_path: Path) -> None:
+    _committed(tmp_path, 7)
+    (tmp_path / ckptdir.TRACKER).unlink()
+    assert ckptdir.read_tracker(tmp_path).name == "iter_0000007"
+
+
+def test_truncated_shard_and_missing_metadata_are_named(tmp_path: Path) -> None:
+    folder = _committed(tmp_path, 3)
+    (folder / "rank_0.pt").write_bytes(b"x" * 10)
+    assert ckptdir.problem(folder) == "rank_0.pt has 10 bytes, 100 were written (truncated or overwritten)"
+    with pytest.raises(PolicyError, match="rank_0.pt has 10 bytes"):
+        check_resume(str(tmp_path), "auto", "error")
+    (folder / "metadata.json").unlink()
+    assert "metadata.json is missing" in (ckptdir.problem(folder) or "")
+
+
+def test_resume_required_without_a_checkpoint_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(PolicyError, match="checkpoint.resume: is required but"):
+        check_resume(str(tmp_path / "none"), "required", "error")
+    check_resume(str(tmp_path / "none"), "auto", "error")
+
+
+def test_prune_keeps_the_tracker_and_protected_and_counts_only_complete(tmp_path: Path) -> None:
+    for step in (1, 2, 3, 4):
+        _committed(tmp_path, step)
+    (tmp_path / "iter_0000003" / "metadata.json").unlink()  # incomplete: never counted, never deleted
+    ckptdir.write_tracker(tmp_path, 2)
+    pruned = ckptdir.prune(tmp_path, 1, {"iter_0000001"})
+    assert [p.name for p in pruned] == []  # 4 newest, 2 tracker, 1 protected; 3 incomplete
+    ckptdir.write_tracker(tmp_path, 4)
+    assert [p.name for p in ckptdir.prune(tmp_path, 1, set())] == ["iter_0000001", "iter_0000002"]
+    assert sorted(p.name for p in ckptdir.committed(tmp_path)) == ["iter_0000003", "iter_0000004"]

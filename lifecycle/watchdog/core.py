@@ -207,8 +207,9 @@ class Watchdog:
                 return d
             if cause.kind == "lost":  # nobody else can be asked: report this rank's own view, locally
                 records: dict[int, JsonDict | None] = {self.rank: self.progress.record()}
-                d = self.reported = diagnosis.Diagnosis(cause.kind, cause.detail, self.rank, cause.phase,
-                                                        records=records, now=time.time())
+                d = self.reported = diagnosis.Diagnosis(
+                    cause.kind, cause.detail, self.rank, cause.phase, records=records, now=time.time(),
+                    unreachable=f"the store {self.store_address} does not answer ({ch.last_error or 'lost'})")
                 publish_local(self.ctx, d)
                 return d
             d = self.reported = self._diagnose(cause, ch)

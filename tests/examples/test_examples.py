@@ -27,7 +27,10 @@ def test_house_policy_validates_and_explains() -> None:
 @pytest.mark.timeout(120)
 def test_torchrun_example_runs_each_rank(tmp_path: Path) -> None:
     venv_bin = Path(os.sys.executable).parent
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{venv_bin}:{os.environ['PATH']}"}
+    from tests._dist import free_port
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{venv_bin}:{os.environ['PATH']}",
+           "RDZV_PORT": str(free_port()), "RUN_ID": f"example-{os.getpid()}"}
     run_dir = tmp_path / "run"
     proc = subprocess.run(["bash", str(EXAMPLES / "torchrun.sh"), "2", f"run.dir={run_dir}", *SYNTHETIC, *FAST,
                            "train.steps=3", "checkpoint.every_steps=0"],

@@ -15,6 +15,7 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip uninstall -q -y lifecycle 2>/dev/null || true  # the distribution's old name
 	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
 	touch $@
 

@@ -122,7 +122,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run_rank(Path(args[0]))
     except LifecycleError as exc:
+        from lifecycle.elastic import record_failure
+
         print(f"[rank {os.environ.get('RANK', '?')}] error: {exc}", file=sys.stderr, flush=True)
+        rank = os.environ.get("RANK", "")
+        record_failure(rank=int(rank) if rank.isdigit() else -1, error=type(exc).__name__, message=str(exc),
+                       exit_code=exc.exit_code, phase=exc.phase or "before init", group=exc.group)
         return exc.exit_code
 
 

@@ -113,6 +113,7 @@ class Orchestrator:
             deadline.code = code if code != ExitCode.OK else deadline.code
         log.error("%s failed on rank %d in phase %s: %s", type(exc).__name__, ctx.rank, self.current, exc)
         ctx.events.instant("failure", error=type(exc).__name__, message=str(exc)[:2000], exit_code=code)
+        self._record(exc, code)
         if not in_teardown:
             self._enter(TERMINAL, failure=True)
         try:
@@ -132,6 +133,19 @@ class Orchestrator:
         if isinstance(exc, PolicyError | UsageError):
             return ExitCode.USAGE
         return codes.rank_failed
+
+    def _record(self, exc: BaseException, code: int) -> None:
+        """The failure for torchrun's summary (``TORCHELASTIC_ERROR_FILE``, as ``@record`` writes it)."""
+        from lifecycle.elastic import record_failure
+
+        ranks = getattr(exc, "missing", None) or getattr(exc, "ranks", None)
+        reported = self.ctx.watchdog.reported if self.ctx.watchdog is not None else None
+        if not ranks and reported is not None:
+            ranks = reported.culprits
+        record_failure(rank=self.ctx.rank, error=type(exc).__name__, message=str(exc), exit_code=code,
+                       phase=self.current, group=getattr(exc, "group", None),
+                       ranks=[int(r) for r in ranks or []],
+                       detail=f"events, logs and reports: {self.ctx.run_dir}")
 
     def _finish(self, code: int) -> None:
         ctx = self.ctx

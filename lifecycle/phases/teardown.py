@@ -97,8 +97,12 @@ class TeardownPhase:
         deadline: HardDeadline
 
         def note(step: str) -> None:
+            from lifecycle.elastic import record_failure
+
             ctx.events.instant("teardown_deadline", step_name=step, exit_code=deadline.code)
             ctx.events.close()
+            record_failure(rank=ctx.rank, error="TeardownDeadline", exit_code=deadline.code, phase="teardown",
+                           message=f"teardown hit its hard deadline of {td.deadline_s:g}s in step '{step}'")
 
         deadline = HardDeadline(td.deadline_s, td.exit_codes.teardown_deadline, note)
         deadline.step = step

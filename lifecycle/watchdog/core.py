@@ -188,6 +188,13 @@ class Watchdog:
         self.progress.set_state("aborted", f"watchdog: {cause.kind}")
         self._safe(lambda c: c.publish(self.rank, self.progress.record()), ch)
         code = {"hang": codes.hang, "lost": codes.hang, "usage": ExitCode.USAGE}.get(cause.kind, codes.rank_failed)
+        from lifecycle.elastic import record_failure
+
+        d = self.reported
+        record_failure(rank=self.rank, error=f"watchdog: {diagnosis.CAUSES.get(cause.kind, cause.kind)}",
+                       message=cause.detail, exit_code=code, phase=cause.phase or self.progress.phase,
+                       ranks=d.culprits if d is not None else None,
+                       detail=f"the report: {self.ctx.run_dir}; every rank's stderr has its own view")
         abort_and_exit(self.ctx, code)
 
     def report(self, cause: Cause, ch: BoundedChannel[SideChannel]) -> diagnosis.Diagnosis | None:

@@ -43,6 +43,24 @@ def test_torchrun_example_runs_each_rank(tmp_path: Path) -> None:
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "iter_0000003"
 
 
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_torchrun_summary_names_the_failed_ranks_cause_and_code(tmp_path: Path) -> None:
+    from tests._dist import free_port
+
+    venv_bin = Path(os.sys.executable).parent
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{venv_bin}:{os.environ['PATH']}",
+           "RDZV_PORT": str(free_port()), "RUN_ID": f"example-fail-{os.getpid()}"}
+    proc = subprocess.run(["bash", str(EXAMPLES / "torchrun.sh"), "2", f"run.dir={tmp_path / 'run'}", *SYNTHETIC,
+                           *FAST, "train.steps=4", "+faults=[{at: train, step: 2, ranks: [1], action: raise}]"],
+                          capture_output=True, text=True, timeout=110, env=env, cwd=tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out  # torchrun's own code for any failed worker
+    # ... but its summary shows the rank's cause and lifecycle's exit code, from TORCHELASTIC_ERROR_FILE
+    assert "lifecycle: DrillError on rank 1 in phase train -> exit code 4" in out, out[-3000:]
+    assert "error_file: <N/A>" not in out.split("Root Cause")[-1]
+
+
 def test_slurm_script_is_valid_bash() -> None:
     proc = subprocess.run(["bash", "-n", str(EXAMPLES / "slurm.sbatch")], capture_output=True, text=True, timeout=10)
     assert proc.returncode == 0, proc.stderr

@@ -73,6 +73,9 @@ def render(s: dict[str, Any]) -> str:
                      + (f", last step {a['last_step']}" if a.get("last_step") is not None else ""))
     if "outcome" in s:
         lines.append(f"outcome  {s['outcome']} -> exit {s['exit_code']} in {s['wall_s']}s")
+    b = s.get("blame")
+    if b and b.get("source") != "launcher" and b.get("ranks"):
+        lines.append(f"blame    ranks {fmt_ranks(b['ranks'])} ({b['cause']} in phase {b['phase']}, from {b['source']})")
     lines += _phases(s) + _warmup(s)
     if s["loss"]:
         loss = s["loss"]

@@ -171,7 +171,34 @@ def build(run_dir: Path, launch: Any | None = None) -> dict[str, Any]:
     if launch is not None:
         summary.update(exit_code=launch.exit_code, outcome=launch.describe(), wall_s=round(launch.wall_s, 2),
                        first_failure=launch.first_failure, failed_phase=launch.phase)
+    summary["blame"] = blame(run_dir, summary)
     return summary
+
+
+def blame(run_dir: Path, s: dict[str, Any]) -> dict[str, Any] | None:
+    """Who the run's failure is on, one answer for the outcome line, the summary and the hang report.
+
+    The watchdog's diagnosis (``hang_report.json``: the ranks others waited for, the dead, the one that failed
+    first by the alarm) wins over the launcher's "first rank to exit": under a hang the first rank to leave is
+    usually a healthy one that reported it. A configuration error is on nobody's rank.
+    """
+    report = Path(run_dir) / HANG_REPORT
+    try:
+        data = json.loads(report.read_text()) if report.is_file() else None
+    except (OSError, ValueError):
+        data = None
+    if isinstance(data, dict) and data.get("cause") not in (None, "usage"):
+        return {"ranks": [int(r) for r in data.get("culprits") or []], "cause": data.get("cause"),
+                "phase": data.get("phase"), "source": HANG_REPORT, "detail": str(data.get("detail", ""))[:300]}
+    reports = [h for h in s.get("hang_reports") or [] if h.get("cause") not in (None, "usage")]
+    if reports:
+        h = reports[0]
+        return {"ranks": [int(r) for r in h.get("culprits") or []], "cause": h.get("cause"), "phase": h.get("phase"),
+                "source": "events", "detail": str(h.get("detail", ""))[:300]}
+    if s.get("first_failure") is not None:
+        return {"ranks": [s["first_failure"]], "cause": "failed", "phase": s.get("failed_phase"),
+                "source": "launcher", "detail": s.get("outcome", "")}
+    return None
 
 
 def write(run_dir: Path, summary: dict[str, Any]) -> Path:

@@ -39,6 +39,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
+from lifecycle import rundir
 from lifecycle.errors import ExitCode, HangError
 from lifecycle.jsontypes import JsonDict
 from lifecycle.watchdog import causes, diagnosis
@@ -54,6 +55,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+FRESHEN_MAX = 64  # dead or silent ranks whose events file is read to freshen their record
 FULL_VIEW_MAX = 1024  # above this world size a rank reads only the records it needs for its own line
 
 
@@ -242,9 +244,28 @@ class Watchdog:
         now = time.time()
         dead.update({r: how for r, how in diagnosis.stale_ranks(records, now, self.cfg.heartbeat_stale_s).items()
                      if r not in dead})
+        self._freshen(records, sorted(set(dead) | {r for r, rec in records.items() if rec is None}))
         return diagnosis.diagnose(cause.kind, cause.detail, records, self.world, dead=dead, origin=cause.origin,
                                   phase=cause.phase or self.progress.phase, hint=cause.hint, now=now,
                                   unreachable=unreachable)
+
+    def _freshen(self, records: dict[int, JsonDict | None], ranks: list[int]) -> None:
+        """A dead rank's last flushed event may be newer than its last published record (it died between two
+        polls): where the events file is readable here, the newer of the two describes the rank."""
+        for r in ranks[:FRESHEN_MAX]:
+            if r == self.rank:
+                continue
+            event = rundir.last_event(self.ctx.run_dir, r)
+            if not event or not isinstance(event.get("t"), int | float):
+                continue
+            t = float(event["t"]) / 1e6
+            rec = records.get(r)
+            if rec is not None and t <= float(rec.get("t", 0.0)):
+                continue
+            fresh: JsonDict = dict(rec or {"rank": r, "state": "running", "begun": {}})
+            fresh.update(phase=event.get("phase"), step=event.get("step"), t=t, idle_s=0.0, op=None,
+                         last=None, from_events=f"{event.get('kind')} {event.get('name')}")
+            records[r] = fresh
 
     def _ranks_to_read(self, cause: Cause) -> list[int]:
         if self.world <= FULL_VIEW_MAX:

@@ -182,6 +182,8 @@ def where(rec: JsonDict | None, now: float) -> str:
         text += f" step {rec['step']}"
     if op:
         text += f", {at} op {op[0]} on group {op[1]} (#{op[2]})"
+    elif rec.get("from_events"):
+        text += f", its last event: {rec['from_events']}"
     if rec.get("state") not in (None, "running"):
         error = str(rec.get("error") or "")
         text += f", state {rec['state']}" + (f": {error[:160]}" + ("..." if len(error) > 160 else "") if error else "")

@@ -84,3 +84,19 @@ def test_hang_reports_are_listed_with_the_report_file(tmp_path: Path) -> None:
     assert s["hang_reports"][0]["cause"] == "collective mismatch" and s["hang_reports"][0]["culprits"] == [2, 3]
     assert s["hang_report_file"] == str(tmp_path / "hang_report.json")
     assert "hang     reported by 1 rank(s): collective mismatch culprits 2-3; see " in summary.render(s)
+
+
+def test_blame_follows_the_watchdogs_diagnosis_not_the_first_rank_to_exit(tmp_path: Path) -> None:
+    import json as _json
+
+    from lifecycle.obs.summary import blame
+
+    s = {"first_failure": 0, "failed_phase": "warmup", "outcome": "rank 0 failed first (exit 3) in phase warmup"}
+    assert blame(tmp_path, s) == {"ranks": [0], "cause": "failed", "phase": "warmup", "source": "launcher",
+                                  "detail": s["outcome"]}
+    (tmp_path / "hang_report.json").write_text(_json.dumps({"cause": "hang", "culprits": [1], "phase": "warmup",
+                                                            "detail": "rank 1 made no progress"}))
+    got = blame(tmp_path, s)
+    assert got is not None and got["ranks"] == [1] and got["source"] == "hang_report.json"
+    (tmp_path / "hang_report.json").write_text(_json.dumps({"cause": "usage", "culprits": [2]}))
+    assert blame(tmp_path, s)["source"] == "launcher"  # type: ignore[index]  # a config error is not a hang

@@ -52,3 +52,20 @@ def test_a_dead_store_is_reported_as_side_channel_lost_with_this_ranks_position(
     assert "side channel lost: store 10.0.0.1:29500 unreachable since" in report["detail"]
     assert "step 7, in op step" in report["detail"]
     assert 0.5 < time.monotonic() - t0 < 3.0
+
+
+def test_a_dead_ranks_last_flushed_event_beats_its_stale_record(make_ctx: MakeCtx) -> None:
+    from lifecycle.obs.events import EventLog
+
+    ctx = make_ctx({"watchdog": {"enabled": True}})
+    wd = Watchdog(ctx)
+    peer = EventLog(ctx.run_dir, 1)
+    peer.phase, peer.step = "train", 22
+    peer.instant("fault_drill", action="crash")
+    peer.close()
+    stale = {"rank": 1, "state": "running", "phase": "init", "step": None, "t": time.time() - 60,
+             "op": ["initialize_model_parallel", "world", 2, None], "begun": {"world": 2}}
+    records = {0: wd.progress.record(), 1: stale}
+    wd._freshen(records, [1])
+    assert records[1] is not None and records[1]["phase"] == "train" and records[1]["step"] == 22
+    assert records[1]["op"] is None and records[1]["from_events"] == "instant fault_drill"

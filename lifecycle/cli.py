@@ -1,8 +1,8 @@
 """The `lifecycle` command: validate | explain | schema | policies | diff | run | timeline.
 
 User errors (bad policy, overrides, files, world size) print ``key.path: message (got VALUE)`` lines
-and exit 2 — never a traceback. ``validate``, ``explain``, ``schema``, ``policies`` and ``diff`` import
-neither torch nor megatron.
+and exit 2 — never a traceback; values are cut to ~200 characters and errors to a bounded number of
+lines. ``validate``, ``explain``, ``schema``, ``policies`` and ``diff`` import neither torch nor megatron.
 """
 
 from __future__ import annotations
@@ -11,12 +11,42 @@ import argparse
 import json
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import NoReturn
 
-from lifecycle.errors import ExitCode, LifecycleError
+from lifecycle.distributed.layout import MAX_WORLD_SIZE
+from lifecycle.errors import ExitCode, LifecycleError, PolicyError
 from lifecycle.logconfig import setup_logging
 
 log = logging.getLogger("lifecycle")
+
+MAX_ERROR_LINES = 60
+MAX_LINE = 600
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with its error messages cut: ``invalid int value: '<100,000 digits>'`` stays short."""
+
+    def error(self, message: str) -> NoReturn:
+        if len(message) > MAX_LINE:
+            message = f"{message[:MAX_LINE]}... ({len(message)} characters in all)"
+        super().error(message)
+
+
+def _int_in(low: int, high: int, hint: str) -> Callable[[str], int]:
+    """An argparse type: an integer in [low, high]; the error says the range and why."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text) if len(text) <= 24 else None
+        except ValueError:
+            value = None
+        if value is None or not low <= value <= high:
+            shown = text if len(text) <= 40 else f"{text[:40]}... ({len(text)} characters)"
+            raise argparse.ArgumentTypeError(f"must be an integer from {low} to {high}{hint} (got {shown!r})")
+        return value
+
+    return parse
 
 
 def _policy_args(p: argparse.ArgumentParser) -> None:
@@ -38,14 +68,17 @@ Exit 0 when equal, 1 when they differ, 2 when a side is not a valid policy (like
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lifecycle", description=__doc__.split("\n")[0])
+    parser = Parser(prog="lifecycle", description=__doc__.split("\n")[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("validate", help="validate a policy; exit 0, or 2 with every error")
     _policy_args(p)
     p = sub.add_parser("explain", help="print the plan and the group layout of one rank")
-    p.add_argument("--world-size", "-w", type=int, help="compute the group layout for this world size")
-    p.add_argument("--rank", "-r", type=int, default=0, help="rank whose groups are shown (default 0)")
+    p.add_argument("--world-size", "-w", type=_int_in(1, MAX_WORLD_SIZE, ", the largest world size torch "
+                                                      "supports"),
+                   help=f"compute the group layout for this world size (1 to {MAX_WORLD_SIZE})")
+    p.add_argument("--rank", "-r", type=_int_in(0, MAX_WORLD_SIZE - 1, ""), default=0,
+                   help="rank whose groups are shown (default 0; needs --world-size)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     _policy_args(p)
     sub.add_parser("schema", help="JSON Schema of the policy (for editors)")
@@ -106,7 +139,12 @@ def _policies(args: argparse.Namespace) -> int:
     broken = [p for p in packs if p.error is not None]
     for pack in broken:
         print(f"error: pack {pack.name} ({pack.distribution} {pack.version}): {pack.error}", file=sys.stderr)
-    return ExitCode.USAGE if broken else ExitCode.OK
+    unreadable = [e for e in entries if e.error is not None]
+    for entry in unreadable[:MAX_ERROR_LINES]:
+        print(_cut(f"error: {entry.error}"), file=sys.stderr)
+    if len(unreadable) > MAX_ERROR_LINES:
+        print(f"error: ... and {len(unreadable) - MAX_ERROR_LINES} more unreadable files", file=sys.stderr)
+    return ExitCode.USAGE if broken or unreadable else ExitCode.OK
 
 
 def _diff(args: argparse.Namespace) -> int:
@@ -140,13 +178,41 @@ COMMANDS = {"validate": _validate, "explain": _explain, "schema": _schema, "poli
             "run": _run, "timeline": _timeline}
 
 
+def _cut(line: str) -> str:
+    return line if len(line) <= MAX_LINE else f"{line[:MAX_LINE]}... ({len(line)} characters in all)"
+
+
+def render_error(exc: LifecycleError) -> str:
+    """The error as printed: every value cut to ~200 characters, at most :data:`MAX_ERROR_LINES` lines."""
+    from lifecycle.policy.errors import clip_error
+
+    text = str(clip_error(exc)) if isinstance(exc, PolicyError) else str(exc)
+    lines = [_cut(line) for line in text.split("\n")]
+    if len(lines) > MAX_ERROR_LINES:
+        lines = [*lines[:MAX_ERROR_LINES], f"... and {len(lines) - MAX_ERROR_LINES} more lines"]
+    return "\n".join(lines)
+
+
+def _record_for_torchrun(exc: LifecycleError) -> None:
+    """Under torchrun an error before the rank starts (bad policy, environment) reaches its summary too."""
+    import os
+
+    from lifecycle.elastic import ENV, record_failure
+
+    if os.environ.get(ENV):
+        rank = os.environ.get("RANK", "")
+        record_failure(rank=int(rank) if rank.isdigit() else -1, error=type(exc).__name__, message=str(exc),
+                       exit_code=exc.exit_code, phase=exc.phase or "before init", group=exc.group)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.verbose)
     try:
         return COMMANDS[args.command](args)
     except LifecycleError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {render_error(exc)}", file=sys.stderr)
+        _record_for_torchrun(exc)
         return exc.exit_code
     except KeyboardInterrupt:
         return 130

@@ -1,11 +1,18 @@
 """`lifecycle explain`: the plan, the group layout of one rank and where each value came from, without torch
-or megatron."""
+or megatron.
+
+Bounded for any world size up to :data:`~lifecycle.distributed.layout.MAX_WORLD_SIZE`: only the asked
+rank's groups are computed (as :class:`~lifecycle.distributed.layout.RankSet`), the number of distinct
+groups is counted without listing them, and a group of more than :data:`LISTED_RANKS` ranks is shown as a
+range text (``large_groups``) rather than rank by rank.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
 
+from lifecycle.distributed.layout import MAX_WORLD_SIZE, RankSet
 from lifecycle.distributed.names import GROUP_NAMES
 from lifecycle.errors import PolicyError
 from lifecycle.machine.plan import Plan, WarmTarget, build_plan
@@ -14,6 +21,16 @@ from lifecycle.policy.load import Loaded, sha256
 from lifecycle.policy.provenance import Origin, provenance
 from lifecycle.policy.provenance import render as render_sources
 from lifecycle.ranks import fmt_ranks
+
+LISTED_RANKS = 65536
+"""Groups up to this size are listed rank by rank in the layout (JSON ``groups``); larger ones as text."""
+PLAN_RANKS = 256
+"""A warmup action lists its group's ranks up to this size (as the runtime's warmup events do)."""
+
+
+def listed(group: RankSet, limit: int = LISTED_RANKS) -> list[int] | None:
+    """The group's ranks, or None when it has more than ``limit``."""
+    return list(group) if group.size <= limit else None
 
 
 class LayoutView:
@@ -24,12 +41,12 @@ class LayoutView:
         self.rank = rank
 
     def warm_targets(self, requested: Sequence[str]) -> list[WarmTarget]:
-        by_ranks: dict[tuple[int, ...], list[str]] = {}
+        by_group: dict[RankSet, list[str]] = {}
         for name in requested:
-            ranks = self.layout.ranks_of(name, self.rank)
-            if ranks:
-                by_ranks.setdefault(tuple(ranks), []).append(name)
-        targets = [WarmTarget(tuple(names), ranks) for ranks, names in by_ranks.items()]
+            group = self.layout.group_of(name, self.rank)
+            if group is not None:
+                by_group.setdefault(group, []).append(name)
+        targets = [WarmTarget(tuple(names), tuple(listed(g, PLAN_RANKS) or ())) for g, names in by_group.items()]
         return sorted(targets, key=lambda t: GROUP_NAMES.index(t.names[0]))
 
 
@@ -45,27 +62,42 @@ def _layout(loaded: Loaded, world_size: int) -> Any:
 
 
 def group_summary(layout: Any, rank: int) -> dict[str, Any]:
-    groups = {n: layout.ranks_of(n, rank) for n in GROUP_NAMES}
-    distinct = {tuple(r) for r in groups.values() if r}
-    world_distinct: set[tuple[int, ...]] = set()
+    """The rank's groups (listed, or as range text when large), absent kinds and counts: O(1) in the world."""
+    groups: dict[str, RankSet] = {}
     for name in GROUP_NAMES:
-        world_distinct.update(tuple(g) for g in layout.groups(name))
+        group = layout.group_of(name, rank)
+        if group is not None:
+            groups[name] = group
     return {
-        "groups": {n: r for n, r in groups.items() if r},
-        "absent": [n for n, r in groups.items() if not r],
-        "communicators_per_rank": len(distinct),
-        "distinct_groups": len(world_distinct),
+        "groups": {n: ranks for n, g in groups.items() if (ranks := listed(g)) is not None},
+        "large_groups": {n: {"size": g.size, "ranks": g.fmt()} for n, g in groups.items() if g.size > LISTED_RANKS},
+        "absent": [n for n in GROUP_NAMES if n not in groups],
+        "communicators_per_rank": len(set(groups.values())),
+        "distinct_groups": layout.count_distinct_groups(),
     }
+
+
+def check_ranks(world_size: int | None, rank: int) -> None:
+    """Range checks of ``--world-size`` and ``--rank``."""
+    if world_size is None:
+        if rank != 0:
+            raise PolicyError.single("--rank", "needs --world-size (the rank of which world?); add "
+                                     "--world-size N", rank)
+        return
+    if not 1 <= world_size <= MAX_WORLD_SIZE:
+        raise PolicyError.single("--world-size", f"must be from 1 to {MAX_WORLD_SIZE} (torch.distributed "
+                                 "ranks are 32-bit ints)", world_size)
+    if not 0 <= rank < world_size:
+        raise PolicyError.single("--rank", f"must be in [0, {world_size}): ranks count from 0", rank)
 
 
 def explain(loaded: Loaded, world_size: int | None, rank: int) -> dict[str, Any]:
     """Everything `explain` prints, as data (the --json output)."""
+    check_ranks(world_size, rank)
     out: dict[str, Any] = {"source": loaded.source, "sha256": sha256(loaded.policy),
                            "description": loaded.policy.description}
     view = None
     if world_size is not None:
-        if not 0 <= rank < world_size:
-            raise PolicyError.single("--rank", f"must be in [0, {world_size})", rank)
         layout = _layout(loaded, world_size)
         view = LayoutView(layout, rank)
         out.update(world_size=world_size, rank=rank, layout=group_summary(layout, rank))
@@ -87,8 +119,13 @@ def render(info: dict[str, Any]) -> str:
         lines += ["", f"layout  world size {info['world_size']}, rank {info['rank']}: "
                       f"{lay['distinct_groups']} distinct groups, {lay['communicators_per_rank']} "
                       f"communicators on this rank"]
-        for name, ranks in lay["groups"].items():
-            lines.append(f"  {name:<15} [{fmt_ranks(ranks)}] ({len(ranks)} ranks)")
+        large = lay.get("large_groups", {})
+        for name in GROUP_NAMES:
+            if name in lay["groups"]:
+                ranks = lay["groups"][name]
+                lines.append(f"  {name:<15} [{fmt_ranks(ranks)}] ({len(ranks)} ranks)")
+            elif name in large:
+                lines.append(f"  {name:<15} [{large[name]['ranks']}] ({large[name]['size']} ranks)")
         if lay["absent"]:
             lines.append(f"  not in this layout: {', '.join(lay['absent'])}")
     for phase, actions in info["plan"].items():

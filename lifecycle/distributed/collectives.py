@@ -34,11 +34,17 @@ class WarmupOp(Protocol):
     def __call__(self, pg: ProcessGroup, ranks: list[int], timeout_s: float, *, group_name: str) -> float: ...
 
 
-def _device(pg: ProcessGroup) -> torch.device:
+def _device(pg: ProcessGroup | None) -> torch.device:
     # NCCL communicators only take tensors on the current GPU; everything else here runs on CPU.
     if "nccl" in str(dist.get_backend(pg)).lower() and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def device_for(pg: ProcessGroup | None = None) -> torch.device:
+    """Where a tensor for a collective on ``pg`` (default: the default group) must live: the current GPU on
+    NCCL, the CPU on gloo. Local."""
+    return _device(pg)
 
 
 def _member(ranks: list[int], op: str, group_name: str) -> int:
@@ -138,26 +144,60 @@ def p2p(pg: ProcessGroup, ranks: list[int], timeout_s: float, *, group_name: str
     """Ring exchange over ``pg``: send to the next and previous rank, receive from both.
 
     Every rank of the group must call it (pipeline-style send/recv connects pairs that collectives
-    may not). A group of one rank is a no-op.
+    may not). A group of one rank is a no-op. For the pipeline group see :func:`pipeline_p2p`.
     """
     rank = _member(ranks, "p2p", group_name)
-    if len(ranks) == 1:
-        return 0.0
     i = ranks.index(rank)
-    nxt, prev = ranks[(i + 1) % len(ranks)], ranks[i - 1]
+    return _exchange(pg, ranks, ranks[i - 1], ranks[(i + 1) % len(ranks)], timeout_s, group_name)
+
+
+def pipeline_neighbours(ranks: list[int], rank: int, *, interleaved: bool) -> tuple[int | None, int | None]:
+    """(previous stage, next stage) of ``rank``; ``ranks`` in stage order, as Megatron's pipeline group lists
+    them. The first and last stage talk to each other only in the interleaved schedule, where the last
+    stage's virtual chunk k feeds the first stage's chunk k + 1. Pure."""
+    i, n = ranks.index(rank), len(ranks)
+    prev = ranks[i - 1] if i > 0 or interleaved else None
+    nxt = ranks[(i + 1) % n] if i < n - 1 or interleaved else None
+    return prev, nxt
+
+
+def pipeline_p2p(pg: ProcessGroup, ranks: list[int], timeout_s: float, *, group_name: str,
+                 interleaved: bool = False) -> float:
+    """Batched send/recv with this rank's real pipeline neighbours (previous and next stage, and the
+    wrap-around link of the interleaved schedule), as Megatron's schedule sends activations
+    (``batch_isend_irecv`` on the pp group): the communicators it will use exist before step 1.
+
+    Every rank of the pipeline group ``pg`` must call it, with the same ``interleaved``.
+    """
+    rank = _member(ranks, "p2p", group_name)
+    prev, nxt = pipeline_neighbours(ranks, rank, interleaved=interleaved)
+    return _exchange(pg, ranks, prev, nxt, timeout_s, group_name)
+
+
+def _exchange(pg: ProcessGroup, ranks: list[int], prev: int | None, nxt: int | None, timeout_s: float,
+              group_name: str) -> float:
+    """Send this rank's global rank to ``prev`` and ``nxt`` (either may be None) and receive theirs.
+
+    A message to the next rank travels on tag 0, to the previous one on tag 1, so the two directions stay
+    apart on gloo when both neighbours are one rank (a group of two).
+    """
+    rank = dist.get_rank()
+    peers = [(peer, tags) for peer, tags in ((prev, (1, 0)), (nxt, (0, 1))) if peer is not None and peer != rank]
+    if not peers:
+        return 0.0
     dev = _device(pg)
     mine = torch.tensor([float(rank)], device=dev)
-    from_prev, from_next = torch.empty(1, device=dev), torch.empty(1, device=dev)
-    # Distinct tags keep the two directions apart on gloo when next == prev (a group of two).
-    ops = [dist.P2POp(dist.isend, mine, nxt, group=pg, tag=0),
-           dist.P2POp(dist.irecv, from_prev, prev, group=pg, tag=0),
-           dist.P2POp(dist.isend, mine, prev, group=pg, tag=1),
-           dist.P2POp(dist.irecv, from_next, nxt, group=pg, tag=1)]
+    got = [torch.empty(1, device=dev) for _ in peers]
+    ops = []
+    for (peer, (send_tag, recv_tag)), buf in zip(peers, got, strict=True):
+        ops += [dist.P2POp(dist.isend, mine, peer, group=pg, tag=send_tag),
+                dist.P2POp(dist.irecv, buf, peer, group=pg, tag=recv_tag)]
     start = time.monotonic()
     works = dist.batch_isend_irecv(ops)
     took = wait_works(works, "p2p", group_name, ranks, timeout_s, start)
-    got = [int(from_prev.item()), int(from_next.item())]
-    _check(got == [prev, nxt], "p2p", group_name, got, [prev, nxt])
+    values = [int(t.item()) for t in got]
+    expected = [peer for peer, _ in peers]
+    _check(values == expected, "p2p", group_name, values, expected)
     return took
 
 

@@ -8,18 +8,25 @@ expert-data-parallel groups). This module reproduces that arithmetic without tor
 ``lifecycle explain`` can show the groups of any rank of a 16k-rank job in milliseconds.
 
 Ranks of a group are listed in communicator order: ascending, as ``torch.distributed.new_group``
-sorts them (so ``ranks_of`` equals ``get_process_group_ranks`` of the real group).
+sorts them (so ``ranks_of`` equals ``get_process_group_ranks`` of the real group). ``group_of`` gives the
+same group as a :class:`RankSet` (a base and a few (stride, size) pairs), so one rank's groups and the
+number of distinct groups cost O(1) whatever the world size; only ``groups`` lists a whole kind.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 from lifecycle.distributed.names import GROUP_NAMES, closest
 from lifecycle.errors import UsageError
 
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"
 _DIMS = ("tp", "pp", "dp", "ep", "cp")
+MAX_WORLD_SIZE = 2**31 - 1
+"""torch.distributed ranks are 32-bit ints."""
 
 # name -> dimensions (a RankGenerator token) in the decoder / expert grid. Gloo twins share ranks.
 _DECODER = {
@@ -27,6 +34,63 @@ _DECODER = {
     "cp": "cp", "mp": "tp-pp", "tp_cp": "tp-cp", "tp_dp": "tp-dp", "tp_dp_cp": "tp-dp-cp",
 }
 _EXPERT = {"ep": "ep", "etp": "tp", "edp": "dp", "edp_gloo": "dp", "tp_ep": "tp-ep", "tp_ep_pp": "tp-ep-pp"}
+
+
+@dataclass(frozen=True)
+class RankSet:
+    """The ranks ``base + sum(k_i * stride_i)`` for ``0 <= k_i < size_i``: one group, without listing it.
+
+    ``dims`` is canonical (sorted by stride, size-1 dims dropped, a dim merged into the one below when it
+    continues it), so two sets are equal exactly when their ranks are. Every group of a Megatron layout has
+    this form, with each stride at least the span of the dims below it ("digits" that never overlap).
+    """
+
+    base: int
+    dims: tuple[tuple[int, int], ...] = ()
+
+    @staticmethod
+    def of(base: int, dims: list[tuple[int, int]] | tuple[tuple[int, int], ...]) -> RankSet:
+        out: list[tuple[int, int]] = []
+        for stride, size in sorted(d for d in dims if d[1] > 1):
+            if out and out[-1][0] * out[-1][1] == stride:
+                out[-1] = (out[-1][0], out[-1][1] * size)
+            else:
+                out.append((stride, size))
+        return RankSet(base, tuple(out))
+
+    @property
+    def size(self) -> int:
+        return math.prod(n for _, n in self.dims)
+
+    @property
+    def last(self) -> int:
+        return self.base + sum(s * (n - 1) for s, n in self.dims)
+
+    def __contains__(self, rank: object) -> bool:
+        if not isinstance(rank, int):
+            return False
+        rest = rank - self.base
+        for stride, size in reversed(self.dims):  # digits never overlap: the top one is forced
+            k = rest // stride if rest >= 0 else -1
+            if not 0 <= k < size:
+                return False
+            rest -= k * stride
+        return rest == 0
+
+    def __iter__(self) -> Iterator[int]:
+        """The ranks in ascending order (the highest stride is the most significant digit)."""
+        for ks in itertools.product(*(range(n) for _, n in reversed(self.dims))):
+            yield self.base + sum(k * s for k, (s, _) in zip(ks, reversed(self.dims), strict=True))
+
+    def fmt(self, limit: int = 16) -> str:
+        """The same text as :func:`lifecycle.ranks.fmt_ranks` of the listed ranks, in O(limit)."""
+        if self.size > 4 and len(self.dims) == 1 and self.dims[0][0] > 1:
+            return f"{self.base},{self.base + self.dims[0][0]},...,{self.last}"
+        run = self.dims[0][1] if self.dims and self.dims[0][0] == 1 else 1
+        starts = RankSet(self.base, self.dims[1:] if run > 1 else self.dims)
+        parts = [str(a) if run == 1 else f"{a}-{a + run - 1}" for a in itertools.islice(starts, limit)]
+        more = starts.size - limit
+        return ",".join(parts) + (f",... (+{more} more)" if more > 0 else "")
 
 
 class _Grid:
@@ -70,6 +134,16 @@ class _Grid:
     def group_of(self, rank: int, token: str) -> list[int]:
         base = self.base(rank, token)
         return [base + o for o in self.offsets(token)]
+
+    def rankset(self, rank: int, token: str, extra: tuple[tuple[int, int], ...] = ()) -> RankSet:
+        """:meth:`group_of` as a RankSet, in O(dims)."""
+        masked = self._masked(token)[0]
+        return RankSet.of(self.base(rank, token), [(self.stride[i], self.shape[i]) for i in masked] + list(extra))
+
+    def coord(self, rank: int, dim: str) -> tuple[int, int]:
+        """(the rank's coordinate along ``dim``, the stride of ``dim``)."""
+        i = self.dims.index(dim)
+        return (rank // self.stride[i]) % self.shape[i], self.stride[i]
 
     def groups(self, token: str) -> list[list[int]]:
         unmasked = self._masked(token)[1]
@@ -148,23 +222,57 @@ class Layout:
 
     def ranks_of(self, name: str, rank: int) -> list[int] | None:
         """The ranks of the ``name`` group that contains ``rank``, or None if it is in none."""
+        group = self.group_of(name, rank)
+        return None if group is None else list(group)
+
+    def group_of(self, name: str, rank: int) -> RankSet | None:
+        """:meth:`ranks_of` as a RankSet: O(1) in the world size."""
         _check_name(name)
         if not 0 <= rank < self.world_size:
             raise UsageError(f"rank {rank} is outside world size {self.world_size}")
         if not self.exists(name):
             return None
         if name == "world":
-            return list(range(self.world_size))
+            return RankSet.of(0, [(1, self.world_size)])
         if name in _DECODER:
-            return self._dec.group_of(rank, _DECODER[name])
+            return self._dec.rankset(rank, _DECODER[name])
         if name in _EXPERT:
-            return self._exp.group_of(rank, _EXPERT[name])
+            return self._exp.rankset(rank, _EXPERT[name])
         if name in ("embd", "pos_embd"):
-            group = self._embedding(self._dec.group_of(rank, "pp"), name)
-            return group if rank in group else None
-        if name == "intra_dist_opt":
-            return self._intra_dist_opt(self._exp.index(rank, "tp-ep-pp") // self.intra_edp)
-        return next(g for g in self._split_edp(self._exp.group_of(rank, "dp"), name) if rank in g)
+            pp = self._dec.rankset(rank, "pp")
+            ends = [pp.base] if name == "pos_embd" or pp.size == 1 else [pp.base, pp.last]
+            return RankSet.of(ends[0], [(ends[-1] - ends[0], len(ends))]) if rank in ends else None
+        # The distributed-optimizer groups split the expert-dp dim into (intra_edp, instances).
+        c, stride = self._exp.coord(rank, "dp")
+        chunk, size = c // self.intra_edp, self.intra_edp
+        if name == "intra_edp":
+            return RankSet.of(self._exp.base(rank, "dp") + chunk * size * stride, [(stride, size)])
+        if name == "inter_dist_opt":
+            return RankSet.of(self._exp.base(rank, "dp") + c % size * stride,
+                              [(stride * size, self.dist_opt_instances)])
+        return self._exp.rankset(rank - (c - chunk * size) * stride, "tp-cp-ep-pp", ((stride, size),))
+
+    def count_distinct_groups(self) -> int:
+        """How many distinct rank sets all group kinds make together (what ``groups`` would list), in O(1).
+
+        Every kind but the embedding ones splits the world into translates of its rank-0 group, and a split
+        of [0, world) into translates of one set is unique, so two kinds give the same groups exactly when
+        their rank-0 groups are equal. Embedding groups split the world only when pp <= 2 (pos_embd when
+        pp = 1); otherwise they are one per pipeline: pairs no split has, singletons any split of size 1 has.
+        """
+        splits: set[tuple[tuple[int, int], ...]] = set()
+        pipelines = self.world_size // self.pp
+        partial = {"embd": self.pp > 2, "pos_embd": self.pp > 1}
+        for name in GROUP_NAMES:
+            group = self.group_of(name, 0)
+            if group is not None and not partial.get(name, False):
+                splits.add(group.dims)
+        total = sum(self.world_size // math.prod(n for _, n in dims) for dims in splits)
+        if partial["embd"]:
+            total += pipelines
+        if partial["pos_embd"] and () not in splits:
+            total += pipelines
+        return total
 
     def distinct_groups_of(self, rank: int) -> list[tuple[list[str], list[int]]]:
         """Each distinct rank set containing ``rank``, with every name that maps to it.
@@ -228,6 +336,9 @@ def build_layout(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int
     bad = {k: v for k, v in given.items() if not isinstance(v, int) or isinstance(v, bool) or v < 1}
     if bad:
         raise UsageError(f"parallel sizes must be integers >= 1, got {bad}")
+    if world_size > MAX_WORLD_SIZE:
+        raise UsageError(f"world size {world_size} is larger than {MAX_WORLD_SIZE} (torch.distributed ranks "
+                         f"are 32-bit ints); give a smaller world size")
     _divisible(world_size, tp * pp * cp, "world size", "tp*pp*cp", f" (tp={tp}, pp={pp}, cp={cp})")
     _divisible(world_size, etp * ep * pp, "world size", "etp*ep*pp", f" (etp={etp}, ep={ep}, pp={pp})")
     dp, edp = world_size // (tp * pp * cp), world_size // (etp * ep * pp)
@@ -246,7 +357,7 @@ def _check_pp_agrees(layout: Layout) -> None:
     if layout.dp != layout.edp:
         raise UsageError(f"order {layout.order!r} does not end with pp, so dp ({layout.dp}) must equal "
                          f"expert dp ({layout.edp}); put pp last or change etp/ep")
-    if layout._dec.groups("pp") != layout._exp.groups("pp"):
+    if layout._dec.rankset(0, "pp") != layout._exp.rankset(0, "pp"):  # equal splits: see count_distinct_groups
         raise UsageError(f"order {layout.order!r} gives different pipeline groups for the dense and "
                          f"expert parts; put pp last")
 

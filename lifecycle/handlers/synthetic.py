@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import random
 import threading
 import time
 from pathlib import Path
@@ -96,24 +97,31 @@ class SyntheticStep:
         self.model: torch.nn.Module | None = None
         self.group: Any = None
         self.dp_rank = 0
+        self.device = torch.device("cpu")
 
     def setup(self, ctx: RunContext) -> None:
+        """Local: builds the model on this rank's device (the current GPU on NCCL, else the CPU)."""
+        from lifecycle.distributed.collectives import device_for
         from lifecycle.distributed.groups import group_ranks
 
         torch.manual_seed(ctx.policy.run.seed)
         h = self.o.hidden
-        self.model = torch.nn.Sequential(torch.nn.Linear(h, h), torch.nn.Tanh(), torch.nn.Linear(h, 1))
         found = group_ranks(ctx.parallel, "dp")
         self.group, ranks = found if found else (None, [ctx.rank])
         self.ranks = ranks
         self.dp_rank = ranks.index(ctx.rank)
+        self.device = device_for(self.group)
+        self.model = torch.nn.Sequential(torch.nn.Linear(h, h), torch.nn.Tanh(), torch.nn.Linear(h, 1)).to(self.device)
 
     def _batch(self, ctx: RunContext, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(ctx.policy.run.seed * 100003 + step * 101 + self.dp_rank)
-        x = torch.randn(self.o.batch, self.o.hidden, generator=g)
+        x = torch.randn(self.o.batch, self.o.hidden, generator=g).to(self.device)
         return x, x[:, :1] * 0.5 - x[:, 1:2] * 0.25
 
     def step(self, ctx: RunContext, step: int) -> dict[str, float]:
+        """Collective on the dp group (one all_reduce of the gradients and the loss, with the step deadline).
+
+        Returns ``loss`` and ``wait_s`` (the time spent waiting in that all_reduce, which is not compute)."""
         from lifecycle.distributed.collectives import wait_works
 
         assert self.model is not None
@@ -123,9 +131,16 @@ class SyntheticStep:
         loss.backward()
         params = [p for p in self.model.parameters()]
         flat = torch.cat([p.grad.reshape(-1) for p in params if p.grad is not None] + [loss.detach().reshape(1)])
+        if self.o.step_sleep_s:
+            time.sleep(self.o.step_sleep_s)  # "compute" before the reduction, as a real step has
+        jitter = getattr(self.o, "step_jitter_s", 0.0)
+        if jitter:
+            time.sleep(jitter * random.Random(ctx.policy.run.seed * 7919 + step * 31 + ctx.rank).random())
+        wait_s = 0.0
         if self.group is not None and len(self.ranks) > 1:
             work = dist.all_reduce(flat, group=self.group, async_op=True)
-            wait_works([work], "all_reduce(grads)", "dp", self.ranks, ctx.deadline("train"), time.monotonic())
+            wait_s = wait_works([work], "all_reduce(grads)", "dp", self.ranks, ctx.deadline("train"),
+                                time.monotonic())
             ctx.op_counts["dp"] += 1
             flat /= len(self.ranks)
         offset = 0
@@ -134,13 +149,12 @@ class SyntheticStep:
                 n = p.numel()
                 p -= self.o.lr * flat[offset:offset + n].view_as(p)
                 offset += n
-        if self.o.step_sleep_s:
-            time.sleep(self.o.step_sleep_s)
-        return {"loss": float(flat[-1])}
+        return {"loss": float(flat[-1]), "wait_s": wait_s}
 
     def begin_save(self, ctx: RunContext, ckpt_dir: Path) -> LocalFilesSave:
         assert self.model is not None
-        state = {"model": {k: v.clone() for k, v in self.model.state_dict().items()}, "step": ctx.step}
+        state = {"model": {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()},
+                 "step": ctx.step}
         return LocalFilesSave(ckpt_dir, ctx.rank, ctx.world_size, state, ctx.policy.checkpoint.async_)
 
     def load(self, ctx: RunContext, ckpt_dir: Path) -> int:
@@ -148,7 +162,7 @@ class SyntheticStep:
         if not (ckpt_dir / "metadata.json").is_file():
             raise PhaseError(f"{ckpt_dir} has no metadata.json (not a committed checkpoint)", phase="train",
                              rank=ctx.rank)
-        state = torch.load(ckpt_dir / f"rank_{ctx.rank}.pt", weights_only=True)
+        state = torch.load(ckpt_dir / f"rank_{ctx.rank}.pt", weights_only=True, map_location=self.device)
         self.model.load_state_dict(state["model"])
         return int(state["step"])
 

@@ -116,16 +116,57 @@ class EventLog:
             self._file = None
 
 
-def read_events(run_dir: Path) -> dict[int, list[dict[str, Any]]]:
-    """All ranks' events of a run, by rank (a torn last line is skipped)."""
+def read_events(run_dir: Path, problems: list[str] | None = None) -> dict[int, list[dict[str, Any]]]:
+    """All ranks' events of a run, by rank. Never raises on bad content.
+
+    A line that is not a JSON object (a torn last line, binary junk, invalid UTF-8, a number of 5,000
+    digits) is skipped, and so is a ``rank_<R>.jsonl`` that is not a regular file or whose R is not a
+    rank. When ``problems`` is given, one line per file with skipped content is appended to it.
+    """
     out: dict[int, list[dict[str, Any]]] = {}
-    for path in sorted((Path(run_dir) / "events").glob("rank_*.jsonl")):
-        rank = int(path.stem.split("_")[1])
-        events = []
-        for line in path.read_text().splitlines():
-            try:
-                events.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
+    folder = Path(run_dir) / "events"
+    try:
+        paths = sorted(folder.glob("rank_*.jsonl"))
+    except OSError as exc:
+        _note(problems, f"{folder}: cannot list ({exc.strerror or exc}); no events read")
+        return out
+    for path in paths:
+        rank = _rank_of(path)
+        if rank is None or not path.is_file():
+            _note(problems, f"{path.name}: {'not a rank number' if rank is None else 'not a regular file'}; "
+                  "skipped")
+            continue
+        events, bad = _read_lines(path, problems)
+        if bad:
+            _note(problems, f"{path.name}: {bad} malformed line{'s' if bad > 1 else ''} skipped")
         out[rank] = events
     return out
+
+
+def _rank_of(path: Path) -> int | None:
+    digits = path.stem.removeprefix("rank_")
+    return int(digits) if digits.isascii() and digits.isdigit() and len(digits) <= 10 else None
+
+
+def _read_lines(path: Path, problems: list[str] | None) -> tuple[list[dict[str, Any]], int]:
+    events: list[dict[str, Any]] = []
+    bad = 0
+    try:
+        with open(path, "rb") as f:
+            for raw in f:
+                try:
+                    event = json.loads(raw.decode("utf-8"))
+                except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+                    event = None
+                if isinstance(event, dict):
+                    events.append(event)
+                elif raw.strip():
+                    bad += 1
+    except OSError as exc:
+        _note(problems, f"{path.name}: cannot read ({exc.strerror or exc}); the rest of the file skipped")
+    return events, bad
+
+
+def _note(problems: list[str] | None, text: str) -> None:
+    if problems is not None:
+        problems.append(text)

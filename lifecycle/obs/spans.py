@@ -41,10 +41,27 @@ class Span:
         return {k: v for k, v in merged.items() if k not in COMMON_KEYS}
 
 
+MAX_US = 1 << 62
+"""Timestamps and durations beyond this (about 146,000 years in µs) are malformed."""
+_INT_FIELDS = ("rank", "local_rank")
+
+
+def _int(value: Any, low: int = 0, high: int = MAX_US) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value < high
+
+
+def is_valid(e: Any) -> bool:
+    """A well-formed event: a dict with an integer ``t``, string ``kind`` and ``name``, and, when present,
+    a string ``host``, integer ``rank``/``local_rank`` and a non-negative integer ``dur_us``."""
+    return (isinstance(e, dict) and _int(e.get("t")) and isinstance(e.get("kind"), str)
+            and isinstance(e.get("name"), str) and isinstance(e.get("host", ""), str)
+            and all(_int(e[k], 0, 1 << 31) for k in _INT_FIELDS if k in e)
+            and ("dur_us" not in e or e["dur_us"] is None or _int(e["dur_us"])))
+
+
 def valid_events(events: list[Any]) -> list[dict[str, Any]]:
-    """The well-formed events (a dict with an integer ``t``, a ``kind`` and a ``name``), in file order."""
-    return [e for e in events if isinstance(e, dict) and isinstance(e.get("t"), int)
-            and isinstance(e.get("kind"), str) and isinstance(e.get("name"), str)]
+    """The well-formed events (:func:`is_valid`), in file order."""
+    return [e for e in events if is_valid(e)]
 
 
 def rank_spans(rank: int, events: list[dict[str, Any]]) -> list[Span]:

@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
+import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,14 +32,24 @@ _NAMED = {"init_process_group": "collective", "initialize_model_parallel": "coll
           "fault_drill": "fault", "exit": "exit", "zero_token": "moe"}
 
 
-def load(run_dir: Path) -> dict[int, list[dict[str, Any]]]:
-    """Every rank's well-formed events; a clear :class:`UsageError` when the directory holds none."""
+def load(run_dir: Path, problems: list[str] | None = None) -> dict[int, list[dict[str, Any]]]:
+    """Every rank's well-formed events; a clear :class:`UsageError` when the directory holds none.
+
+    Malformed lines, events and files are skipped; ``problems`` (when given) gets one line for each.
+    """
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise UsageError(f"{run_dir} is not a directory; give the run directory of `lifecycle run` "
                          f"(its run.dir, e.g. runs/<name>-<id>)")
-    events = {r: valid_events(evs) for r, evs in read_events(run_dir).items()}
-    events = {r: evs for r, evs in events.items() if evs}
+    events: dict[int, list[dict[str, Any]]] = {}
+    for rank, evs in read_events(run_dir, problems).items():
+        good = valid_events(evs)
+        if len(good) < len(evs) and problems is not None:
+            n = len(evs) - len(good)
+            problems.append(f"rank_{rank}.jsonl: {n} malformed event{'s' if n > 1 else ''} skipped (a wrong "
+                            "type of t, kind, name, host, rank or dur_us)")
+        if good:
+            events[rank] = good
     if not events:
         raise UsageError(f"no events in {run_dir / 'events'} (expected rank_<R>.jsonl files written by "
                          f"`lifecycle run`); is {run_dir} a run directory?")
@@ -104,7 +117,7 @@ def _points(e: dict[str, Any], pid: int, t0: int) -> list[dict[str, Any]]:
         return [{"ph": "i", "s": "t", "name": e["name"], "cat": category(e["name"]), "pid": pid, "tid": rank,
                  "ts": ts, "args": _args(fields)}]
     value = e.get("value") if e["kind"] == "scalar" else e.get("loss") if e["name"] == "step" else None
-    if isinstance(value, int | float) and not isinstance(value, bool):
+    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
         # One counter per rank and name: viewers read a series missing from a sample as 0.
         name = f"{e['name'] if e['kind'] == 'scalar' else 'loss'} (rank {rank})"
         return [{"ph": "C", "name": name, "pid": pid, "tid": rank, "ts": ts, "args": {"value": value}}]
@@ -124,7 +137,7 @@ def _run_meta(run_dir: Path) -> dict[str, Any]:
     """The launcher's verdict from summary.json, when the run wrote one."""
     try:
         s = json.loads((run_dir / "summary.json").read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return {}
     keep = ("outcome", "exit_code", "first_failure", "failed_phase", "wall_s")
     return {k: s[k] for k in keep if k in s} if isinstance(s, dict) else {}
@@ -136,22 +149,59 @@ def main(run_dir: str | Path, out: str | Path | None = None, png: str | Path | N
     from lifecycle.obs import gantt
 
     run_dir = Path(run_dir)
-    events = load(run_dir)
+    problems: list[str] = []
+    events = load(run_dir, problems)
+    trace_path = output_path(Path(out) if out else run_dir / "trace.json", "--out")
+    png_path = None if no_png else output_path(Path(png) if png else run_dir / "timeline.png", "--png")
+    _report(problems)
     meta = {"run_dir": str(run_dir.resolve()), **_run_meta(run_dir)}
     trace = build_trace(events, meta)
-    path = write_trace(trace, Path(out) if out else run_dir / "trace.json")
+    path = _writing(trace_path, "--out", lambda: write_trace(trace, trace_path))
     n = sum(1 for e in trace["traceEvents"] if e["ph"] != "M")
     print(f"trace    {path} ({n} events, {len(events)} ranks): open it in https://ui.perfetto.dev "
           f"or chrome://tracing")
-    if no_png:
+    if png_path is None:
         return ExitCode.OK
     if not gantt.available():
-        print("png      skipped: matplotlib is not installed (pip install 'lifecycle[plot]'); the trace was "
+        print("png      skipped: matplotlib is not installed (pip install 'megatron-lifecycle[plot]'); the trace was "
               "written", file=sys.stderr)
         return ExitCode.OK
-    picture = gantt.plot(events, Path(png) if png else run_dir / "timeline.png", title=_title(run_dir, meta))
+    picture = _writing(png_path, "--png", lambda: gantt.plot(events, png_path, title=_title(run_dir, meta)))
     print(f"png      {picture}")
     return ExitCode.OK
+
+
+def output_path(path: Path, flag: str) -> Path:
+    """``path`` if a file can be written there (its folder is created); else a UsageError naming ``flag``."""
+    try:
+        if path.is_dir():
+            raise UsageError(f"{flag} {path}: is a directory; give a file name, e.g. {path / 'trace.json'}")
+        blocker = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
+        if blocker is not None:
+            raise UsageError(f"{flag} {path}: {blocker} is a file, not a folder; choose another place")
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"{flag} {path}: cannot create its folder ({exc.strerror or exc}); choose a writable "
+                         "place") from None
+    if not os.access(path.parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise UsageError(f"{flag} {path}: not writable; choose a writable place")
+    return path
+
+
+def _writing(path: Path, flag: str, write: Callable[[], Path]) -> Path:
+    try:
+        return write()
+    except OSError as exc:
+        raise UsageError(f"{flag} {path}: cannot write ({exc.strerror or exc}); choose a writable place"
+                         ) from None
+
+
+def _report(problems: list[str], limit: int = 10) -> None:
+    """One stderr line per skipped file or batch of lines, at most ``limit`` of them."""
+    for line in problems[:limit]:
+        print(f"skipped  {line[:300]}", file=sys.stderr)
+    if len(problems) > limit:
+        print(f"skipped  ... and {len(problems) - limit} more", file=sys.stderr)
 
 
 def _title(run_dir: Path, meta: dict[str, Any]) -> str:

@@ -182,11 +182,11 @@ def _agree_loaded(ctx: RunContext, failed: bool) -> list[int]:
     import torch
     import torch.distributed as dist
 
-    from lifecycle.distributed.collectives import wait_works
+    from lifecycle.distributed.collectives import device_for, wait_works
 
     if ctx.world_size == 1 or not dist.is_initialized():
         return [ctx.rank] if failed else []
-    mine = torch.tensor([1 if failed else 0], dtype=torch.int32)
+    mine = torch.tensor([1 if failed else 0], dtype=torch.int32, device=device_for())
     out = [torch.zeros_like(mine) for _ in range(ctx.world_size)]
     work = dist.all_gather(out, mine, async_op=True)
     wait_works([work], "all_gather(resume ok)", "world", list(range(ctx.world_size)), ctx.deadline("checkpoint"),

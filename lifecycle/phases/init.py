@@ -28,12 +28,23 @@ def pick_backend(requested: str) -> str:
 
 
 def nccl_env(ctx: RunContext) -> None:
-    """NCCL only: Flight Recorder ring buffer and dump on timeout, into the run directory."""
+    """NCCL only: Flight Recorder ring buffer and dump on timeout, into the run directory.
+
+    torch >= 2.10 names the variables ``TORCH_FR_*`` (the ``TORCH_NCCL_*`` names still work there, with a
+    deprecation warning per rank); both are set only where the new name is not understood.
+    """
+    import torch
+
     fr = ctx.policy.distributed.flight_recorder
-    if fr.enabled:
-        os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", str(fr.buffer_size))
-        os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
-        os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(ctx.run_dir / "nccl_trace_rank_"))
+    if not fr.enabled:
+        return
+    new = tuple(int(x) for x in torch.__version__.split(".")[:2] if x.isdigit()) >= (2, 10)
+    prefix = str(ctx.run_dir / "nccl_trace_rank_")
+    names = {"buffer": "TORCH_FR_BUFFER_SIZE" if new else "TORCH_NCCL_TRACE_BUFFER_SIZE",
+             "file": "TORCH_FR_DUMP_TEMP_FILE" if new else "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"}
+    os.environ.setdefault(names["buffer"], str(fr.buffer_size))
+    os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    os.environ.setdefault(names["file"], prefix)
 
 
 class InitPhase:
@@ -83,11 +94,11 @@ class InitPhase:
         import torch
         import torch.distributed as dist
 
-        from lifecycle.distributed.collectives import wait_works
+        from lifecycle.distributed.collectives import device_for, wait_works
         from lifecycle.policy.load import sha256
 
         digest = sha256(ctx.policy)
-        mine = torch.frombuffer(bytearray(bytes.fromhex(digest)), dtype=torch.uint8)
+        mine = torch.frombuffer(bytearray(bytes.fromhex(digest)), dtype=torch.uint8).to(device_for())
         out = [torch.zeros_like(mine) for _ in range(ctx.world_size)]
         ctx.drills.fire("init", op="check_policy_hash", group="world")
         with ctx.events.span("check_policy_hash", group="world"):
@@ -95,7 +106,7 @@ class InitPhase:
             wait_works([work], "all_gather", "world", list(range(ctx.world_size)), ctx.deadline("init"),
                   time.monotonic())
         ctx.op_counts["world"] += 1
-        digests = [bytes(t.tolist()).hex() for t in out]
+        digests = [bytes(t.cpu().tolist()).hex() for t in out]
         majority = max(set(digests), key=digests.count)
         differ = [r for r, d in enumerate(digests) if d != majority]
         if differ:

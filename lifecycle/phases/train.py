@@ -23,9 +23,9 @@ def agree_stop(ctx: RunContext) -> bool:
     import torch
     import torch.distributed as dist
 
-    from lifecycle.distributed.collectives import wait_works
+    from lifecycle.distributed.collectives import device_for, wait_works
 
-    flag = torch.tensor([1 if ctx.stop.preempt_signal else 0], dtype=torch.int32)
+    flag = torch.tensor([1 if ctx.stop.preempt_signal else 0], dtype=torch.int32, device=device_for())
     work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True)
     wait_works([work], "all_reduce(stop flag)", "world", list(range(ctx.world_size)), ctx.deadline("train"),
           time.monotonic())

@@ -7,8 +7,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from lifecycle.errors import PolicyError
+from lifecycle.policy import yamlguard
 from lifecycle.policy.packs import Pack
 from lifecycle.policy.roots import ConfigRoot
 
@@ -26,6 +26,9 @@ class Entry:
     description: str
     shadowed_by: str | None = None
     """The origin of an earlier folder on the search path with the same config (which Hydra picks)."""
+    error: str | None = None
+    """``file[:line[:column]]: why`` the file cannot be used (not UTF-8, too large, not YAML...);
+    `policies` then exits 2."""
 
     @property
     def choose(self) -> str:
@@ -34,14 +37,20 @@ class Entry:
 
 def describe(file: Path) -> str:
     """The ``description`` key, else the first comment line that is not a directive."""
+    return _read(file)[0]
+
+
+def _read(file: Path) -> tuple[str, str | None]:
+    """(description, error): the file is read with the same limits as a compose."""
     try:
-        text = file.read_text()
-        data = yaml.safe_load(text)
-    except (OSError, yaml.YAMLError) as exc:
-        return f"(unreadable: {type(exc).__name__})"
+        text = yamlguard.check_file(file)
+        data = yamlguard.parse(text, str(file))
+    except PolicyError as exc:
+        issue = exc.issues[0]
+        return "(unreadable: see the error)", f"{issue.path}: {issue.message}"
     if isinstance(data, dict) and isinstance(data.get("description"), str):
-        return data["description"].strip().splitlines()[0] if data["description"].strip() else ""
-    return _first_sentence(_leading_comment(text))
+        return (data["description"].strip().splitlines()[0] if data["description"].strip() else ""), None
+    return _first_sentence(_leading_comment(text)), None
 
 
 def _leading_comment(text: str) -> str:
@@ -72,7 +81,13 @@ def _files(root: ConfigRoot, primary: bool) -> list[tuple[str, str, Path]]:
     reads the primary config before the rest of the search path is in place).
     """
     out = []
-    for file in sorted(root.path.rglob("*.yaml")):
+    try:
+        files = sorted(root.path.rglob("*.yaml"))
+    except (OSError, RecursionError) as exc:
+        why = getattr(exc, "strerror", None) or type(exc).__name__
+        raise PolicyError.single(str(root.path), f"cannot list the folder ({why}); check it and its "
+                                 "sub-folders", has_value=False) from None
+    for file in files:
         rel = file.relative_to(root.path)
         if any(part.startswith(".") or part in _SKIP_DIRS for part in rel.parts):
             continue
@@ -91,8 +106,13 @@ def catalog(roots: list[ConfigRoot]) -> list[Entry]:
         for group, name, file in _files(root, primary=i == 0):
             winner = first.setdefault((group, name), root.origin)
             shadowed = winner if winner != root.origin else None
-            entries.append(Entry(group, name, root.origin, str(file), describe(file), shadowed))
+            entries.append(Entry(group, name, root.origin, str(file), *_describe(file, shadowed)))
     return sorted(entries, key=lambda e: (e.group == "", e.group, e.name))
+
+
+def _describe(file: Path, shadowed: str | None) -> tuple[str, str | None, str | None]:
+    description, error = _read(file)
+    return description, shadowed, error
 
 
 def as_dict(entries: list[Entry], packs: list[Pack], kinds: list[Any]) -> dict[str, Any]:

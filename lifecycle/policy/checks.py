@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 from lifecycle.errors import PolicyIssue
@@ -31,12 +32,21 @@ def cross_field_issues(p: Policy) -> list[PolicyIssue]:
         elif ep > experts or experts % ep:
             issues.append(PolicyIssue(
                 "parallelism.ep", f"must divide train.options.num_experts ({experts}); pick ep in "
-                f"{[d for d in range(1, experts + 1) if experts % d == 0]}", ep))
+                f"{divisors(experts)}", ep))
     if p.moe.zero_token.action != "off" and experts == 0:
         issues.append(PolicyIssue("moe.zero_token.action", "the model has no experts (train.options."
                                   "num_experts=0); set it to off", p.moe.zero_token.action))
     issues.extend(_fault_issues(p))
     return issues
+
+
+def divisors(n: int, limit: int = 16) -> list[int] | str:
+    """The divisors of ``n`` in order (O(sqrt n), for n up to 10^12), or a hint when there are too many."""
+    if n > 10**12:
+        return "the divisors of that number"
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    found = sorted({*small, *(n // d for d in small)})
+    return found if len(found) <= limit else f"{found[:limit]} ... ({len(found)} divisors)"
 
 
 def _fault_issues(p: Policy) -> list[PolicyIssue]:

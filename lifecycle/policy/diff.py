@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lifecycle.errors import PolicyError
+from lifecycle.policy.errors import clip
 from lifecycle.policy.load import Loaded, load, to_plain
 
 
@@ -69,7 +70,8 @@ def parse_side(text: str, default_name: str) -> tuple[str, list[str]]:
     try:
         words = shlex.split(text)
     except ValueError as exc:
-        raise PolicyError.single("<diff>", f"cannot split {text!r}: {exc}", has_value=False) from None
+        raise PolicyError.single("<diff>", f"cannot split the side into words ({exc}); balance its quotes",
+                                 clip(text)) from None
     if words and "=" not in words[0] and words[0][0] not in "~+":
         return words[0], words[1:]
     return default_name, words
@@ -99,8 +101,8 @@ def _load_side(label: str, text: str, common: list[str], config_dir: str | None,
     try:
         return load([*common, *overrides], config_dir=config_dir, config_name=name)
     except PolicyError as exc:
-        raise PolicyError(exc.issues, source=f"{label}: {text!r}" + (f", {exc.source}" if exc.source else "")
-                          ) from None
+        raise PolicyError(exc.issues, source=f"{label}: {clip(repr(text))}" + (f", {exc.source}" if exc.source
+                                                                                   else "")) from None
 
 
 def diff(a: str, b: str, common: list[str] | None = None, *, config_dir: str | None = None,

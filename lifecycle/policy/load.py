@@ -3,6 +3,9 @@
 compose (Hydra compose API over the built-in ``conf/``, user config dirs, installed policy packs and
 overrides) -> ``OmegaConf.to_container(resolve=True, throw_on_missing=True)`` -> ``Policy.model_validate``.
 Every failure on the way becomes a :class:`PolicyError` that lists ``key.path: message (got VALUE)``.
+Hostile input is bounded before it costs anything: overrides (:mod:`lifecycle.policy.overrides`), every
+YAML file Hydra reads (:mod:`lifecycle.policy.yamlguard`) and interpolations
+(:mod:`lifecycle.policy.interpolation`).
 Workers never compose: they read the resolved policy the launcher wrote to the run directory.
 """
 
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -21,11 +25,16 @@ import yaml
 from pydantic import ValidationError
 
 from lifecycle.errors import PolicyError, PolicyIssue
-from lifecycle.policy.errors import from_hydra, from_omegaconf, from_validation
+from lifecycle.policy import yamlguard
+from lifecycle.policy.errors import clip, from_hydra, from_omegaconf, from_validation
+from lifecycle.policy.interpolation import check_interpolations
+from lifecycle.policy.overrides import check_overrides
 from lifecycle.policy.packs import Pack, installed_packs, unusable_pack_for
 from lifecycle.policy.roots import ConfigRoot, config_roots
 from lifecycle.policy.schema import Policy, is_schema_path
 from lifecycle.rundir import RESOLVED, SHA256
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -47,6 +56,7 @@ def hydra_session(roots: Sequence[ConfigRoot]) -> Iterator[str]:
     """Initialize Hydra on ``roots[0]`` for one compose; yields the ``hydra.searchpath`` override for the rest.
 
     Hydra's global state is cleared before and after, so nothing leaks into the next call or another app.
+    Every file Hydra reads meanwhile is checked first (:func:`yamlguard.guard_hydra_files`).
     """
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
@@ -54,7 +64,8 @@ def hydra_session(roots: Sequence[ConfigRoot]) -> Iterator[str]:
     searchpath = "hydra.searchpath=[" + ",".join(_quoted(f"file://{r.path}") for r in roots[1:]) + "]"
     GlobalHydra.instance().clear()
     try:
-        with initialize_config_dir(config_dir=str(roots[0].path), version_base="1.3"):
+        with initialize_config_dir(config_dir=str(roots[0].path), version_base="1.3"), \
+                yamlguard.guard_hydra_files():
             yield searchpath
     finally:
         GlobalHydra.instance().clear()
@@ -79,28 +90,37 @@ def compose(overrides: Sequence[str] = (), *, config_dir: str | Path | None = No
 
     packs = installed_packs()
     roots = config_roots(config_dir, packs)
-    source = f"{roots[0].path}/{config_name}.yaml"
+    _check_config_name(config_name)
+    source = clip(f"{roots[0].path}/{config_name}.yaml")
     try:
+        check_overrides(overrides, roots)
         # The user's dir comes first so it can override any built-in or pack file of the same name.
         with hydra_session(roots) as searchpath:
             cfg = hydra_compose(config_name=config_name,
                                 overrides=[*normalize_overrides(overrides), searchpath])
+        check_interpolations(OmegaConf.to_container(cfg, resolve=False))
+        data = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    except PolicyError as exc:
+        raise PolicyError(exc.issues, source=source) from None
     except OmegaConfBaseException as exc:
         raise from_omegaconf(exc, source) from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"{mark.name}:{mark.line + 1}:{mark.column + 1}" if mark else source
-        raise PolicyError.single(where, f"not valid YAML: {getattr(exc, 'problem', exc)}; fix the file",
-                                 has_value=False, source=source) from None
-    except Exception as exc:  # noqa: BLE001 - Hydra raises a zoo of types; all are user errors here
+    except yaml.YAMLError as exc:  # one the guard's parser let through (an undefined alias...)
+        name = getattr(getattr(exc, "problem_mark", None), "name", None) or ""
+        where = name if name and not name.startswith("<") else source
+        raise PolicyError(yamlguard.yaml_error(exc, where).issues, source=source) from None
+    except Exception as exc:  # noqa: BLE001 - Hydra raises a zoo of types; all come from the user's input here
+        log.debug("compose failed", exc_info=True)
         _raise_if_from_unusable_pack(exc, packs)
         raise from_hydra(exc, source, overrides) from None
-    try:
-        data = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
-    except OmegaConfBaseException as exc:
-        raise from_omegaconf(exc, source) from None
     assert isinstance(data, dict)
     return {str(k): v for k, v in data.items()}, roots
+
+
+def _check_config_name(name: str) -> None:
+    """A config name is a file name under the config dir, without ``.yaml``."""
+    if not name or len(name) > 255 or "\x00" in name or name.startswith("/") or ".." in name.split("/"):
+        raise PolicyError.single("--config-name", "must be a file name in the config dir, without .yaml "
+                                 "(e.g. house, or preset/moe)", name)
 
 
 def _raise_if_from_unusable_pack(exc: Exception, packs: list[Pack]) -> None:
@@ -171,8 +191,14 @@ def to_plain(policy: Policy) -> dict[str, Any]:
 
 
 def sha256(policy: Policy) -> str:
-    """A stable digest of the resolved policy (identical on every rank for the same policy)."""
-    return hashlib.sha256(json.dumps(to_plain(policy), sort_keys=True).encode()).hexdigest()
+    """A stable digest of the resolved policy (identical on every rank for the same policy).
+
+    ``run.dir`` is left out: it says where a node keeps its own files (it may differ between the nodes of one
+    job), not what the job does. ``checkpoint.dir`` is in: every rank must write to the same one.
+    """
+    plain = to_plain(policy)
+    plain["run"] = {k: v for k, v in plain["run"].items() if k != "dir"}
+    return hashlib.sha256(json.dumps(plain, sort_keys=True).encode()).hexdigest()
 
 
 def write_resolved(policy: Policy, run_dir: Path) -> Path:
@@ -186,10 +212,7 @@ def write_resolved(policy: Policy, run_dir: Path) -> Path:
 
 def read_resolved(path: Path) -> Policy:
     """Load a resolved policy file (what workers do); errors name the file."""
-    try:
-        data = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise PolicyError.single(str(path), f"cannot read the resolved policy: {exc}", has_value=False) from None
+    data = yamlguard.load_file(path)
     if not isinstance(data, dict):
         raise PolicyError.single(str(path), "is not a mapping", type(data).__name__)
     return validate(data, source=str(path))

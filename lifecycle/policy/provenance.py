@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from lifecycle.errors import PolicyError
+from lifecycle.policy import yamlguard
 from lifecycle.policy.load import Loaded, hydra_session, normalize_overrides, to_plain
 from lifecycle.policy.roots import ConfigRoot
 
@@ -77,7 +77,7 @@ def _find(config_path: str, roots: tuple[ConfigRoot, ...]) -> tuple[ConfigRoot, 
 
 
 def _file_keys(file: Path, package: str) -> list[str]:
-    data = yaml.safe_load(file.read_text()) or {}
+    data = yamlguard.load_file(file) or {}
     if not isinstance(data, dict):
         return []
     data = {k: v for k, v in data.items() if k != "defaults"}
@@ -106,8 +106,8 @@ def _apply_override(origins: dict[str, Origin], override: str, roots: tuple[Conf
     if not key or _is_group(key, roots):  # a group choice: already in the defaults list
         return
     try:
-        parsed = yaml.safe_load(value)
-    except yaml.YAMLError:
+        parsed = yamlguard.load_text(value, key)
+    except PolicyError:
         parsed = value
     # A mapping value merges into the node (Hydra's update), so only its own leaves change origin.
     leaves = flatten(parsed, key) if isinstance(parsed, dict) and parsed else {key: parsed}

@@ -55,8 +55,14 @@ def user_dir(config_dir: str | Path | None) -> Path | None:
     """``--config-dir`` resolved, or a PolicyError when it is not a folder."""
     if config_dir is None:
         return None
-    path = Path(config_dir).expanduser().resolve()
-    if not path.is_dir():
+    try:
+        path = Path(config_dir).expanduser().resolve()
+        is_dir = path.is_dir()
+    except (OSError, RuntimeError, ValueError) as exc:  # RuntimeError: a symlink loop (Python < 3.13)
+        why = getattr(exc, "strerror", None) or str(exc).split(":")[0]
+        raise PolicyError.single("--config-dir", f"cannot be resolved ({why}); pass the folder that holds "
+                                 "your policy YAML", str(config_dir)) from None
+    if not is_dir:
         raise PolicyError.single("--config-dir", "is not a directory; pass the folder that holds your "
                                  "policy YAML", str(config_dir))
     return path

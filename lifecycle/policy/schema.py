@@ -9,7 +9,7 @@ from pydantic import (
     BaseModel,
     Field,
     NonNegativeInt,
-    PositiveFloat,
+    PositiveInt,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -19,7 +19,7 @@ from pydantic import (
 from lifecycle import SCHEMA_VERSION
 from lifecycle.errors import PolicyError, PolicyIssue
 from lifecycle.handlers import registry
-from lifecycle.policy.base import Phase, Section
+from lifecycle.policy.base import Phase, Seconds, Section
 from lifecycle.policy.sections import (
     BarriersConfig,
     DistributedConfig,
@@ -95,7 +95,7 @@ class CheckpointConfig(Section):
     """On a preemption signal, agree on a stop step, save, and exit 0."""
     signals: list[Signal] = Field(default_factory=lambda: _signals("SIGTERM"))
     """Signals treated as a preemption request."""
-    grace_s: PositiveFloat = 120.0
+    grace_s: Seconds = 120.0
     """Time from a preemption signal to exit, save included."""
     async_: bool = Field(False, alias="async")
     """Write shards in the background; commit at the next step boundary (two-phase commit still)."""
@@ -132,22 +132,22 @@ class TeardownConfig(Section):
     """Steps of a clean exit, in order."""
     failure: Literal["abort", "destroy"] = "abort"
     """Failure path: abort process groups (no barrier) then destroy, or only destroy."""
-    deadline_s: PositiveFloat = 60.0
+    deadline_s: Seconds = 60.0
     """Hard limit over the whole teardown; then the process exits by force (code 5)."""
     exit_codes: ExitCodes = ExitCodes()
     """Process exit codes."""
 
 
 class Deadlines(Section):
-    init: PositiveFloat = 300.0
+    init: Seconds = 300.0
     """Seconds for init: process group, model-parallel groups, policy check."""
-    warmup: PositiveFloat = 120.0
+    warmup: Seconds = 120.0
     """Seconds for each warmup op and barrier."""
-    step: PositiveFloat = 600.0
+    step: Seconds = 600.0
     """Seconds for one train step (its collectives included)."""
-    checkpoint: PositiveFloat = 1200.0
+    checkpoint: Seconds = 1200.0
     """Seconds for one checkpoint save and its commit."""
-    teardown: PositiveFloat = 30.0
+    teardown: Seconds = 30.0
     """Seconds for the teardown collectives (barrier, destroy)."""
 
 
@@ -156,9 +156,9 @@ class WatchdogConfig(Section):
     """Watch every phase against its deadline through the TCPStore side channel."""
     deadlines: Deadlines = Deadlines()
     """Per-phase deadlines; process-group timeouts of a phase derive from them."""
-    poll_interval_s: PositiveFloat = 1.0
+    poll_interval_s: Seconds = 1.0
     """How often the watchdog thread checks deadlines and heartbeats."""
-    heartbeat_stale_s: PositiveFloat = 30.0
+    heartbeat_stale_s: Seconds = 30.0
     """A peer whose heartbeat is older than this is reported dead."""
     action: Literal["abort", "report"] = "abort"
     """abort: report, abort process groups and exit with the hang code; report: only report."""
@@ -173,8 +173,11 @@ class FaultDrill(Section):
     """Train step it fires at (train and checkpoint phases only)."""
     ranks: list[NonNegativeInt] = Field(min_length=1)
     """Global ranks the drill fires on."""
-    action: Literal["stall", "crash", "raise", "signal", "skip"]
-    """stall: sleep forever; crash: os._exit; raise: an exception; signal: SIGTERM to itself; skip: skip a collective."""
+    action: Literal["stall", "crash", "raise", "signal", "skip", "zero_tokens"]
+    """stall: sleep forever; crash: os._exit; raise: an exception; signal: SIGTERM to itself; skip: skip a collective;
+    zero_tokens: the routers send no token to these ranks' local experts, at every step from `step` on (or at `steps`)."""
+    steps: list[PositiveInt] | None = None
+    """zero_tokens only: the train steps it acts at, instead of every step from `step` on."""
     op: str | None = None
     """Only before this op (e.g. all_reduce, barrier, save)."""
     group: str | None = None
@@ -184,6 +187,10 @@ class FaultDrill(Section):
     def _step_phase(self) -> FaultDrill:
         if self.step is not None and self.at not in ("train", "checkpoint"):
             raise ValueError(f"step applies to train and checkpoint drills only, not at={self.at}")
+        if self.action == "zero_tokens" and (self.at != "train" or (self.step is None) == (self.steps is None)):
+            raise ValueError("a zero_tokens drill is at: train, with either step (from that step on) or steps")
+        if self.steps is not None and (self.action != "zero_tokens" or not self.steps):
+            raise ValueError("steps applies to zero_tokens drills only, and needs at least one step")
         if self.group is not None:
             check_group_name(self.group)
         return self

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, PositiveFloat, PositiveInt, field_validator, model_validator
+from pydantic import Field, PositiveInt, field_validator, model_validator
 
 from lifecycle.distributed.names import GROUP_NAMES, closest
-from lifecycle.policy.base import Section
+from lifecycle.policy.base import Seconds, Section
 
 WarmupOp = Literal["barrier", "all_reduce", "all_gather", "all_to_all", "p2p"]
 
@@ -50,7 +50,7 @@ class DistributedConfig(Section):
     """NCCL only: init_process_group(device_id=...) creates the communicator now, not at first use."""
     flight_recorder: FlightRecorderConfig = FlightRecorderConfig()
     """NCCL Flight Recorder settings (ignored on gloo)."""
-    memory_headroom_gib: float = Field(0.0, ge=0)
+    memory_headroom_gib: float = Field(0.0, ge=0, allow_inf_nan=False)
     """NCCL only: fail fast at warmup when free GPU memory is below this (0 disables the check)."""
 
 
@@ -94,7 +94,7 @@ class WarmupConfig(Section):
     """group_major: all ops on one group, then the next group; op_major: one op on all groups, then the next op."""
     required: list[str] = Field(default_factory=list)
     """Groups that must exist in the layout; a missing one is an error instead of a skip."""
-    deadline_s: PositiveFloat | None = None
+    deadline_s: Seconds | None = None
     """Deadline of each warmup op; null means watchdog.deadlines.warmup."""
 
     @field_validator("groups")
@@ -118,7 +118,7 @@ class WarmupConfig(Section):
 class BarrierPoint(Section):
     group: str = "world"
     """Group whose ranks meet at this point."""
-    timeout_s: PositiveFloat | None = None
+    timeout_s: Seconds | None = None
     """Barrier timeout; null means the deadline of the phase it runs in."""
     via: Literal["store", "collective"] = "store"
     """store: a TCPStore barrier that names late ranks and keeps process groups usable; collective: pg barrier."""

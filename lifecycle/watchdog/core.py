@@ -230,11 +230,13 @@ class Watchdog:
             # Peers that still move publish once per poll: give them one to show where the failure found them.
             time.sleep(min(self.cfg.poll_interval_s, 0.5))
         wanted = self._ranks_to_read(cause)
+        ch.wait_connected(ch.op_timeout_s)  # a report early in the run may come while the client still connects
         read = self._safe(lambda c: c.records(wanted), ch)
         records: dict[int, JsonDict | None] = read or {}
         unreachable = None
         if read is None and not ch.absent:
-            unreachable = f"the store {self.store_address} does not answer ({ch.last_error})"
+            why = ch.last_error if ch.connected else "its client is still connecting"
+            unreachable = f"the store {self.store_address} does not answer ({why})"
         records[self.rank] = self.progress.record()
         dead = dict(cause.dead)
         marker = causes.from_marker(self.ctx.run_dir)

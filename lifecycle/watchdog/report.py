@@ -104,12 +104,14 @@ def flight_recorder(ctx: RunContext) -> str | None:
             return None
     except Exception:  # noqa: BLE001 - half-initialized groups
         return None
-    base = os.environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "/tmp/nccl_trace_rank_")
+    base = (os.environ.get("TORCH_FR_DUMP_TEMP_FILE") or os.environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+            or "/tmp/nccl_trace_rank_")
     target = f"{base}{ctx.rank}"
     try:
         import torch._C._distributed_c10d as c10d_c
 
-        dump = getattr(c10d_c, "_dump_nccl_trace", None)
+        # torch < 2.10: _dump_nccl_trace; later: _dump_fr_trace (the Flight Recorder is not NCCL-only there)
+        dump = getattr(c10d_c, "_dump_nccl_trace", None) or getattr(c10d_c, "_dump_fr_trace", None)
         if dump is not None:
             Path(target).write_bytes(dump())
     except Exception as exc:  # noqa: BLE001 - the automatic dump on timeout still happens

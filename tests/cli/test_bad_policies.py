@@ -1,4 +1,9 @@
-"""A corpus of bad policies: each exits 2, names the key path, and prints no traceback."""
+"""A corpus of bad policies: each exits 2, names the key path, and prints no traceback.
+
+Hostile inputs of issue 11 are part of it (alias and interpolation bombs, deep nesting, binary and
+non-UTF-8 files, huge integers, non-finite deadlines, Hydra settings); ``test_hostile.py`` adds the ones
+that need a generated file or folder and measures time and memory.
+"""
 
 from __future__ import annotations
 
@@ -31,6 +36,16 @@ FILES = {
     "exit_codes": "teardown.exit_codes: exit codes hang, rank_failed, teardown_deadline must be distinct",
     "schema_version": "schema_version: this lifecycle reads schema version 1",
     "bad_yaml": "bad_yaml.yaml:3:1: not valid YAML",
+    "alias_bomb": "alias_bomb.yaml:6:20: the policy files expand to more than 5000 values",
+    "too_many_values": "too_many_values.yaml:3:",
+    "deep_nesting": "deep_nesting.yaml:2:45: nested deeper than 32 levels",
+    "binary": "binary.yaml:1: not UTF-8: byte 0x89 at byte offset 0 cannot be decoded",
+    "not_utf8": "not_utf8.yaml:3: not UTF-8: byte 0xE9 at byte offset 79",
+    "huge_int": "huge_int.yaml:2:16: an integer of 5000 digits",
+    "interpolation_bomb": "resolving the interpolations here needs",
+    "deadline_inf": "watchdog.deadlines.init: Input should be a finite number (inf and nan are refused)",
+    "timeout_nan": "barriers.after_init.0.timeout_s: Input should be a finite number",
+    "hydra_section": "hydra: in ",
 }
 
 OVERRIDES = {
@@ -43,6 +58,22 @@ OVERRIDES = {
     "switch_kind": (["train.kind=synthetic"], "train.options.num_layers: not an option of train kind 'synthetic'"),
     "missing_dir": (["--config-dir", "/nonexistent/dir"], "--config-dir: is not a directory"),
     "missing_file": (["--config-name", "nope"], "config not found: Cannot find primary config 'nope'"),
+    "group_number": (["checkpoint=5"], "checkpoint: a config group takes the name of one of its options: async, "
+                     "off; to use none, leave it out (or ~checkpoint) (got 5)"),
+    "group_null": (["preset=null"], "preset: a config group takes the name of one of its options: dense, moe, "
+                   "moe_large"),
+    "huge_int_override": (["train.steps=" + "9" * 100_000], "<overrides>: the overrides are longer than 4096 "
+                          "characters together"),
+    "long_key": ([".".join(["a"] * 1000) + "=1"], "the key has 1000 parts"),
+    "deep_override": (["+x=" + "[" * 40 + "]" * 40], "x: the value nests 40 brackets deep; the limit is 32"),
+    "hydra_override": (["hydra.job.chdir=true"], "hydra.job.chdir: policies configure lifecycle, not Hydra"),
+    "hydra_searchpath": (["hydra.searchpath=[file:///etc]"], "hydra.searchpath: policies configure lifecycle"),
+    "inf_deadline": (["watchdog.deadlines.step=inf"], "watchdog.deadlines.step: Input should be a finite number"),
+    "nan_grace": (["checkpoint.grace_s=nan"], "checkpoint.grace_s: Input should be a finite number"),
+    "huge_deadline": (["teardown.deadline_s=1e300"], "teardown.deadline_s: Input should be less than or equal to "
+                      "1000000000"),
+    "config_name_escape": (["--config-name", "../../etc/passwd"], "--config-name: must be a file name in the "
+                           "config dir"),
 }
 
 

@@ -37,7 +37,6 @@ def test_wheel_ships_the_presets(tmp_path: Path) -> None:
 
 def test_the_example_pack_requires_this_projects_own_distribution() -> None:
     import tomllib
-
     from packaging.requirements import Requirement
 
     ours = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import subprocess
 import sys
 import time
@@ -9,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from lifecycle.distributed.layout import build_layout
+from lifecycle.distributed.layout import MAX_WORLD_SIZE, Layout, RankSet, build_layout
 from lifecycle.distributed.names import GROUP_NAMES
 from lifecycle.errors import UsageError
+from lifecycle.ranks import fmt_ranks
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -165,3 +167,62 @@ def test_matches_megatron_rank_generator(monkeypatch: pytest.MonkeyPatch, world:
         assert lay.groups(name) == ref.get(name, []), name
         for rank in range(world):
             assert lay.ranks_of(name, rank) == next((g for g in ref.get(name, []) if rank in g), None)
+
+
+# Any world size: one rank's groups and the distinct-group count cost O(1), checked against full listings.
+_ORDERS = ["tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp", "tp-pp-dp", "pp-tp-dp", "dp-tp-pp", "ep-tp-pp-dp-cp",
+           "cp-dp-ep-pp-tp"]
+
+
+def _small_layouts(n: int) -> list[Layout]:
+    rng = random.Random(11)
+    out: list[Layout] = []
+    while len(out) < n:
+        world = rng.choice([1, 2, 4, 6, 8, 12, 16, 24, 32, 48])
+        sizes = {"tp": rng.choice([1, 2, 3, 4]), "pp": rng.choice([1, 2, 3, 4]), "cp": rng.choice([1, 2]),
+                 "ep": rng.choice([1, 2, 4]), "etp": rng.choice([None, 1, 2]),
+                 "dist_opt_instances": rng.choice([1, 2, 4]), "order": rng.choice(_ORDERS)}
+        try:
+            out.append(build_layout(world, **sizes))  # type: ignore[arg-type]
+        except UsageError:
+            continue
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_group_of_and_distinct_count_equal_the_full_listing() -> None:
+    for lay in _small_layouts(120):
+        listed = {name: lay.groups(name) for name in GROUP_NAMES}
+        assert lay.count_distinct_groups() == len({tuple(g) for gs in listed.values() for g in gs}), lay
+        for name, groups in listed.items():
+            for rank in range(lay.world_size):
+                ref = next((g for g in groups if rank in g), None)
+                got = lay.group_of(name, rank)
+                assert (None if got is None else list(got)) == ref, (lay, name, rank)
+                if got is not None:
+                    assert got.size == len(ref or []) and got.fmt() == fmt_ranks(ref or [])
+
+
+def test_rankset_membership_order_and_text() -> None:
+    rs = RankSet.of(3, [(8, 4), (1, 2), (2, 1), (64, 3)])  # size-1 dims drop; sorted by stride
+    ranks = [3 + a + 8 * b + 64 * c for c in range(3) for b in range(4) for a in range(2)]
+    assert rs.dims == ((1, 2), (8, 4), (64, 3)) and list(rs) == sorted(ranks) and rs.size == 24
+    assert all(r in rs for r in ranks) and not any(r in rs for r in set(range(-5, 300)) - set(ranks))
+    assert RankSet.of(0, [(1, 4), (4, 2)]) == RankSet.of(0, [(1, 8)])  # merged: equal sets, equal objects
+    assert rs.fmt() == fmt_ranks(ranks) and rs.fmt(limit=3) == fmt_ranks(ranks, limit=3)
+    big = RankSet.of(7, [(8, 10**8)])
+    assert big.fmt() == "7,15,...,799999999" and big.last == 799999999 and 799999999 in big and 8 not in big
+
+
+@pytest.mark.timeout(30)
+def test_the_largest_world_is_constant_time() -> None:
+    start = time.perf_counter()
+    lay = build_layout(2**30, tp=8, pp=4, ep=8, dist_opt_instances=4)
+    for rank in (0, 123_456_789, lay.world_size - 1):
+        groups = {n: lay.group_of(n, rank) for n in GROUP_NAMES}
+        assert all(g is None or rank in g for g in groups.values())
+    assert lay.group_of("world", 5) == RankSet(0, ((1, 2**30),))
+    assert lay.count_distinct_groups() > 2**30
+    assert time.perf_counter() - start < 1.0
+    with pytest.raises(UsageError, match="larger than 2147483647"):
+        build_layout(MAX_WORLD_SIZE + 1)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -150,7 +151,7 @@ def test_without_matplotlib_the_trace_is_still_written(tmp_path: Path, monkeypat
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # what `import matplotlib` sees when it is not installed
     assert timeline.main(tmp_path) == 0
     assert (tmp_path / "trace.json").is_file() and not (tmp_path / "timeline.png").exists()
-    assert "matplotlib is not installed (pip install 'lifecycle[plot]')" in capsys.readouterr().err
+    assert "matplotlib is not installed (pip install 'megatron-lifecycle[plot]')" in capsys.readouterr().err
 
 
 def test_gantt_draws_cut_phases_failure_paths_and_markers(tmp_path: Path) -> None:
@@ -164,3 +165,61 @@ def test_gantt_draws_cut_phases_failure_paths_and_markers(tmp_path: Path) -> Non
     _write(tmp_path, 1, [_ev(1, "begin", "phase:train", rank=1), _ev(4, "instant", "fault_drill", rank=1)])
     out = gantt.plot(timeline.load(tmp_path), tmp_path / "g.png", title="t")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size < 200_000
+
+
+def _hostile_run(run_dir: Path) -> None:
+    """One good rank, and every kind of broken content issue 11 found (wrong types, bad bytes, a folder)."""
+    good = [_ev(100, "begin", "phase:train"), _ev(200, "end", "phase:train", dur_us=100),
+            _ev(150, "scalar", "mem", value=float("nan"))]
+    wrong = [{"t": "x", "kind": "begin", "name": "a"}, {"t": 1, "kind": 5, "name": "a"},
+             _ev(1, "end", "q", dur_us="abc"), {**_ev(1, "instant", "a"), "host": ["x"]},
+             _ev(10**30, "instant", "late"), {**_ev(1, "instant", "b"), "t": True}, _ev(-5, "instant", "early"),
+             {**_ev(1, "instant", "c"), "rank": "zero"}]
+    _write(run_dir, 0, good + wrong)
+    with open(run_dir / "events" / "rank_0.jsonl", "ab") as f:
+        f.write(b"\xff\xfe not UTF-8\n[1, 2]\n" + b"[" * 100_000 + b"\n" + b"9" * 5000 + b"\n" + b'{"t": 12')
+    (run_dir / "events" / "rank_1.jsonl").write_bytes(bytes(range(256)) * 8)
+    (run_dir / "events" / "rank_2.jsonl").mkdir()
+    (run_dir / "events" / "rank_x.jsonl").write_text("{}\n")
+
+
+@pytest.mark.timeout(30)
+def test_malformed_lines_events_and_files_are_skipped_and_counted(tmp_path: Path) -> None:
+    _hostile_run(tmp_path)
+    problems: list[str] = []
+    events = timeline.load(tmp_path, problems)
+    assert list(events) == [0] and [e["name"] for e in events[0]] == ["phase:train", "phase:train", "mem"]
+    assert problems == ["rank_0.jsonl: 5 malformed lines skipped", "rank_1.jsonl: 9 malformed lines skipped",
+                        "rank_2.jsonl: not a regular file; skipped", "rank_x.jsonl: not a rank number; skipped",
+                        "rank_0.jsonl: 8 malformed events skipped (a wrong type of t, kind, name, host, rank or "
+                        "dur_us)"]
+    trace = timeline.build_trace(events)
+    check_trace(trace)
+    assert not [e for e in trace["traceEvents"] if e["ph"] == "C"]  # a nan value draws no counter
+
+
+@pytest.mark.timeout(60)
+def test_main_says_what_it_skipped_and_never_crashes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _hostile_run(tmp_path)
+    assert timeline.main(tmp_path, no_png=True) == 0
+    err = capsys.readouterr().err
+    assert "skipped  rank_0.jsonl: 5 malformed lines skipped" in err and "rank_2.jsonl: not a regular" in err
+    check_trace(json.loads((tmp_path / "trace.json").read_text()))
+
+
+@pytest.mark.parametrize(("out", "match"), [
+    ("{tmp}", "--out {tmp}: is a directory; give a file name"),
+    ("{tmp}/events/rank_0.jsonl/t.json", "rank_0.jsonl is a file, not a folder; choose another place"),
+    ("/proc/lifecycle-test/t.json", "cannot create its folder"),
+])
+def test_output_paths_are_checked_before_anything_is_written(tmp_path: Path, out: str, match: str) -> None:
+    _real_run(tmp_path)
+    with pytest.raises(UsageError, match=re.escape(match.format(tmp=tmp_path))):
+        timeline.main(tmp_path, out=out.format(tmp=tmp_path), no_png=True)
+    assert not (tmp_path / "trace.json").exists()
+
+
+def test_an_unwritable_png_is_a_usage_error(tmp_path: Path) -> None:
+    _real_run(tmp_path)
+    with pytest.raises(UsageError, match="--png .*/proc/version"):
+        timeline.main(tmp_path, png="/proc/version")

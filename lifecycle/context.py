@@ -23,7 +23,9 @@ if TYPE_CHECKING:
     from lifecycle.obs.events import EventLog
     from lifecycle.phases.checkpoint import PendingSave
     from lifecycle.policy.schema import Policy
+    from lifecycle.watchdog.adaptive import AdaptiveDeadline, Derivation
     from lifecycle.watchdog.core import Watchdog
+    from lifecycle.watchdog.straggler import ComputeWindow
 
 PhaseHook = Callable[["RunContext", "str | None", str, bool], None]
 """``hook(ctx, old_phase, new_phase, failure)``, run at every transition (all ranks, same order)."""
@@ -79,6 +81,10 @@ class RunContext:
     keys_taken: int = 0
     """Store keys taken so far: ranks take them in plan order, so a rank with fewer is behind (the watchdog
     publishes it)."""
+    adaptive: dict[str, AdaptiveDeadline] = field(default_factory=dict)
+    """Phases (``train``, ``checkpoint``) whose deadline is ``auto``: the model that derives it."""
+    compute: ComputeWindow | None = None
+    """This rank's recent step compute times (the straggler check reads their median from its record)."""
 
     def next_key(self, name: str) -> str:
         """A store key unique per call and identical on every rank (calls happen in plan order)."""
@@ -86,7 +92,37 @@ class RunContext:
         return f"lifecycle/{name}/{self.keys_taken - 1}"
 
     def deadline(self, phase: str) -> float:
-        return self.policy.deadline(phase)
+        """The deadline of ``phase`` now: the agreed adaptive value for an ``auto`` phase, else the policy's."""
+        model = self.adaptive.get("train" if phase == "step" else phase)
+        return model.effective() if model is not None else self.policy.deadline(phase)
+
+    def derivation(self, phase: str) -> Derivation | None:
+        """How an ``auto`` deadline came about (None for a static one)."""
+        model = self.adaptive.get("train" if phase == "step" else phase)
+        return model.derivation() if model is not None else None
+
+    def observe(self, phase: str, seconds: float) -> None:
+        """One duration the ``phase`` deadline bounds (a step, a checkpoint span)."""
+        model = self.adaptive.get(phase)
+        if model is not None:
+            model.observe(seconds)
+
+    def deadline_proposals(self) -> list[float]:
+        """This rank's proposals for the adaptive deadlines, in a fixed order (train, checkpoint)."""
+        return [self.adaptive[p].proposal() if p in self.adaptive else 0.0 for p in ("train", "checkpoint")]
+
+    def agree_deadlines(self, agreed: list[float]) -> None:
+        """Every rank calls it with the same values: the maximum of every rank's proposals."""
+        for phase, value in zip(("train", "checkpoint"), agreed, strict=True):
+            model = self.adaptive.get(phase)
+            if model is not None:
+                before = model.effective()
+                model.agree(value)
+                after = model.effective()
+                if abs(after - before) > 0.05 * before:
+                    how = model.derivation()
+                    self.events.instant("deadline", deadline_phase=phase, seconds=round(after, 4), how=how.text,
+                                        adaptive=how.adaptive)
 
     def require_store(self) -> Store:
         """The store, or a clear error when init has not set it."""

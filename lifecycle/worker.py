@@ -92,7 +92,8 @@ def _attempt(run_dir: Path, rank: int) -> int:
 
 
 def start_watchdog(ctx: RunContext) -> None:
-    """The watchdog thread (``watchdog.enabled``) and the collective-sequence check (``sequence_check``).
+    """The watchdog thread (``watchdog.enabled``), the collective-sequence check (``sequence_check``), the
+    adaptive deadlines (``deadlines.step/checkpoint: auto``) and the straggler window.
 
     Both before the first phase: the watchdog must see init (communicator bootstrap can hang too).
     """
@@ -100,6 +101,14 @@ def start_watchdog(ctx: RunContext) -> None:
     from lifecycle.watchdog.seqcheck import SequenceCheck
 
     cfg = ctx.policy.watchdog
+    from lifecycle.watchdog.adaptive import AdaptiveDeadline
+    from lifecycle.watchdog.straggler import ComputeWindow
+
+    for phase in ("train", "checkpoint"):
+        if ctx.policy.is_auto(phase):
+            ctx.adaptive[phase] = AdaptiveDeadline(phase, ctx.policy.deadline(phase), cfg.adaptive)
+    if cfg.straggler.action != "off":
+        ctx.compute = ComputeWindow(cfg.straggler.window)
     if cfg.sequence_check:
         ctx.phase_hooks.append(SequenceCheck())
     if cfg.enabled:

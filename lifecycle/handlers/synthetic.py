@@ -133,7 +133,7 @@ class SyntheticStep:
         flat = torch.cat([p.grad.reshape(-1) for p in params if p.grad is not None] + [loss.detach().reshape(1)])
         if self.o.step_sleep_s:
             time.sleep(self.o.step_sleep_s)  # "compute" before the reduction, as a real step has
-        jitter = getattr(self.o, "step_jitter_s", 0.0)
+        jitter = self.o.step_jitter_s
         if jitter:
             time.sleep(jitter * random.Random(ctx.policy.run.seed * 7919 + step * 31 + ctx.rank).random())
         wait_s = 0.0

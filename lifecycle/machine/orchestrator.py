@@ -13,7 +13,7 @@ import logging
 import time
 
 from lifecycle.context import RunContext
-from lifecycle.errors import ExitCode, HangError, PolicyError, UsageError
+from lifecycle.errors import ExitCode, HangError, LifecycleError, PolicyError, UsageError
 from lifecycle.machine.graph import MAIN_PATH, TERMINAL, check_transition
 from lifecycle.phases.base import PhaseHandler
 from lifecycle.phases.init import InitPhase
@@ -111,7 +111,10 @@ class Orchestrator:
         code = self.exit_code(exc)
         if deadline is not None:
             deadline.code = code if code != ExitCode.OK else deadline.code
-        log.error("%s failed on rank %d in phase %s: %s", type(exc).__name__, ctx.rank, self.current, exc)
+        # An error of lifecycle's own says what to do; anything else (torch, megatron, a step handler) gets its
+        # traceback in the rank's log: that is where the bug is.
+        log.error("%s failed on rank %d in phase %s: %s", type(exc).__name__, ctx.rank, self.current, exc,
+                  exc_info=None if isinstance(exc, LifecycleError) else exc)
         ctx.events.instant("failure", error=type(exc).__name__, message=str(exc)[:2000], exit_code=code)
         self._record(exc, code)
         if not in_teardown:

@@ -93,6 +93,17 @@ def _warmup(policy: Policy, view: GroupView | None) -> list[Action]:
     return actions + _barriers(policy, "after_warmup", policy.deadline("warmup"))
 
 
+def _deadline_text(policy: Policy, phase: str) -> str:
+    """``600s``, or for an auto deadline ``auto after 20 steps: 4 x p99 over 200, in [5s, 600s]``."""
+    static = policy.deadline(phase)
+    if not policy.is_auto(phase):
+        return f"{static:g}s"
+    a = policy.watchdog.adaptive
+    return (f"auto after {a.calibration_steps} {'steps' if phase == 'train' else 'checkpoint spans'}: "
+            f"{a.factor:g} x p{a.quantile * 100:g} over the last {a.window}, in [{a.floor_s:g}s, {static:g}s], "
+            f"max over ranks; {static:g}s until then")
+
+
 def _train(policy: Policy) -> list[Action]:
     if policy.train.steps == 0:
         return []
@@ -101,7 +112,7 @@ def _train(policy: Policy) -> list[Action]:
     if ck.resume != "never":
         actions.append(Action("resume", "world", policy.deadline("checkpoint"), f"resume={ck.resume}"))
     actions.append(Action("steps", "world", dl, f"{policy.train.kind} x {policy.train.steps}, "
-                                                f"deadline {dl:g}s per step"))
+                                                f"deadline {_deadline_text(policy, 'train')} per step"))
     every = policy.barriers.every_n_steps
     if every is not None:
         actions.append(Action(f"barrier:every_{every.n}_steps", every.group, every.timeout_s or dl))
@@ -119,7 +130,8 @@ def _checkpoint(policy: Policy) -> list[Action]:
             f"on {'/'.join(ck.signals)}" if ck.on_signal else ""]
     return [
         *_barriers(policy, "before_checkpoint", dl),
-        Action("save", "world", dl, f"torch_dist, {'async' if ck.async_ else 'sync'}, "
+        Action("save", "world", dl, f"deadline {_deadline_text(policy, 'checkpoint')}; "
+               f"torch_dist, {'async' if ck.async_ else 'sync'}, "
                f"{'fully parallel' if ck.fully_parallel else 'plain'}; {', '.join(w for w in when if w)}"),
         Action("commit", None, dl, f"agree over the {ck.coordination}; rename .tmp -> iter_N, tracker, "
                f"keep_last={ck.keep_last}"),

@@ -88,6 +88,10 @@ def render(s: dict[str, Any]) -> str:
     if s["zero_token_events"]:
         zt = s["zero_token_events"]
         lines.append(f"zero-token events: {sum(zt.values())} on ranks {fmt_ranks(zt)}")
+    for phase, d in (s.get("deadlines") or {}).items():
+        lines.append(f"deadline {phase}: {d.get('how')}")
+    for st in s.get("stragglers") or []:
+        lines.append(f"straggler {st.get('line')}" + (f" (at step {st['at_step']})" if st.get("at_step") else ""))
     lines += _failures(s)
     if s.get("hang_reports"):
         h = s["hang_reports"][0]

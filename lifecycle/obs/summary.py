@@ -138,6 +138,17 @@ def zero_tokens(events: dict[int, list[dict[str, Any]]]) -> dict[int, int]:
     return out
 
 
+def _deadlines(events: dict[int, list[dict[str, Any]]]) -> dict[str, Any]:
+    """The adaptive deadlines as rank 0 last agreed them (``auto`` phases only): seconds and how."""
+    out: dict[str, Any] = {}
+    for e in events.get(0, []):
+        if e.get("name") == "deadline" and e.get("kind") == "instant":
+            out[str(e.get("deadline_phase"))] = {"seconds": e.get("seconds"), "how": e.get("how"),
+                                                 "changes": out.get(str(e.get("deadline_phase")), {}).get(
+                                                     "changes", 0) + 1}
+    return out
+
+
 def build(run_dir: Path, launch: Any | None = None) -> dict[str, Any]:
     """Aggregate a run directory's events into the summary (a failed run gets one too)."""
     events = {r: valid_events(evs) for r, evs in read_events(run_dir).items()}
@@ -160,6 +171,10 @@ def build(run_dir: Path, launch: Any | None = None) -> dict[str, Any]:
         "exit_status_per_rank": status,
         "failures": _instants(events, lambda n: n == "failure", ("error", "message", "exit_code")),
         "fault_drills": _instants(events, lambda n: n == "fault_drill", ("action", "at", "drill_step")),
+        "stragglers": _instants(events, lambda n: n == "straggler", ("straggler_rank", "ratio", "compute_s",
+                                                                      "median_s", "window", "at_step", "recovered",
+                                                                      "line")),
+        "deadlines": _deadlines(events),
         "hang_reports": _instants(events, lambda n: "hang" in n, HANG_KEYS),
         "hang_report_file": str(Path(run_dir) / HANG_REPORT) if (Path(run_dir) / HANG_REPORT).is_file() else None,
         "resumed_from": exit0.get("resumed_from"),

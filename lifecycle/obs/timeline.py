@@ -116,12 +116,19 @@ def _points(e: dict[str, Any], pid: int, t0: int) -> list[dict[str, Any]]:
     if e["kind"] == "instant" or (e["kind"] == "end" and e["name"].startswith("barrier:")):
         return [{"ph": "i", "s": "t", "name": e["name"], "cat": category(e["name"]), "pid": pid, "tid": rank,
                  "ts": ts, "args": _args(fields)}]
-    value = e.get("value") if e["kind"] == "scalar" else e.get("loss") if e["name"] == "step" else None
-    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
-        # One counter per rank and name: viewers read a series missing from a sample as 0.
-        name = f"{e['name'] if e['kind'] == 'scalar' else 'loss'} (rank {rank})"
-        return [{"ph": "C", "name": name, "pid": pid, "tid": rank, "ts": ts, "args": {"value": value}}]
-    return []
+    if e["kind"] == "scalar":
+        series = [(e["name"], e.get("value"))]
+    elif e["name"] == "step":  # the loss, and the step's compute time (the straggler track), one track per rank
+        series = [("loss", e.get("loss")), ("step compute s", e.get("compute_s"))]
+    else:
+        series = []
+    out = []
+    for label, value in series:
+        if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+            # One counter per rank and name: viewers read a series missing from a sample as 0.
+            out.append({"ph": "C", "name": f"{label} (rank {rank})", "pid": pid, "tid": rank, "ts": ts,
+                        "args": {"value": value}})
+    return out
 
 
 def write_trace(trace: dict[str, Any], path: Path) -> Path:

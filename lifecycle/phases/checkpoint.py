@@ -74,8 +74,10 @@ def save(ctx: RunContext, reason: str) -> None:
     from lifecycle.obs import progress
 
     with progress.activity(ctx.rank, f"checkpoint step {ctx.step} ({reason})"):
+        t0 = time.monotonic()
         with ctx.events.span("save", step=ctx.step, reason=reason, path=str(final)):
             handle = _handler(ctx).begin_save(ctx, tmp)
+        ctx.observe("checkpoint", time.monotonic() - t0)
         ctx.pending_save = PendingSave(handle, ctx.step, tmp, final, reason)
         if not ctx.policy.checkpoint.async_:
             finish_pending(ctx)
@@ -91,8 +93,10 @@ def finish_pending(ctx: RunContext) -> None:
     deadline = ctx.deadline("checkpoint")
     key = ctx.next_key(f"ckpt/{pending.step}")
     ctx.drills.fire("checkpoint", step=pending.step, op="commit")
+    t0 = time.monotonic()
     with ctx.events.span("commit", step=pending.step, path=str(pending.final)) as extra:
         _agree(ctx, pending, key, deadline)
+        ctx.observe("checkpoint", time.monotonic() - t0)  # the wait for every rank's writes: the long part
         if ctx.rank == 0:
             _commit(ctx, pending)
         # Every rank learns that the commit happened (or names rank 0 if it did not).

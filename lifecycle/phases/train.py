@@ -19,18 +19,25 @@ log = logging.getLogger(__name__)
 
 
 def agree_stop(ctx: RunContext) -> bool:
-    """Max-reduce of "a preemption signal arrived" over the default group: every rank must call it."""
+    """Max-reduce of "a preemption signal arrived" over the default group: every rank must call it.
+
+    The same all-reduce carries each rank's proposals for the adaptive deadlines (``auto``): every rank then
+    uses the maximum, with no collective of its own.
+    """
     import torch
     import torch.distributed as dist
 
     from lifecycle.distributed.collectives import device_for, wait_works
 
-    flag = torch.tensor([1 if ctx.stop.preempt_signal else 0], dtype=torch.int32, device=device_for())
+    values = [1.0 if ctx.stop.preempt_signal else 0.0, *ctx.deadline_proposals()]
+    flag = torch.tensor(values, dtype=torch.float64, device=device_for())
     work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True)
     wait_works([work], "all_reduce(stop flag)", "world", list(range(ctx.world_size)), ctx.deadline("train"),
-          time.monotonic())
+               time.monotonic())
     ctx.op_counts["world"] += 1
-    return bool(flag.item())
+    agreed = flag.cpu().tolist()
+    ctx.agree_deadlines(agreed[1:])
+    return bool(agreed[0])
 
 
 class TrainPhase:
@@ -56,6 +63,9 @@ class TrainPhase:
         with ctx.events.span("setup", handler=policy.train.kind):
             ctx.step_handler.setup(ctx)
         self._resume(ctx)
+        if ctx.resumed_from is not None:
+            for model in ctx.adaptive.values():
+                model.after_resume()  # the first step after a resume runs with the static deadline
         self._loop(ctx, ctx.step_handler)
 
     def _build(self, ctx: RunContext) -> StepHandler:
@@ -79,9 +89,18 @@ class TrainPhase:
             for step in range(ctx.step + 1, policy.train.steps + 1):
                 ctx.events.step = step
                 ctx.drills.fire("train", step=step)
+                t0 = time.monotonic()
                 with ctx.events.span("step") as extra:
+                    slow = ctx.drills.slow_s(step)
+                    if slow:
+                        time.sleep(slow)  # a `slow` drill: extra compute on this rank (a straggler)
                     metrics = handler.step(ctx, step)
-                    extra.update(metrics)
+                    took = time.monotonic() - t0
+                    compute = max(took - float(metrics.get("wait_s", 0.0)), 0.0)
+                    extra.update(metrics, compute_s=round(compute, 6))
+                ctx.observe("train", took)
+                if ctx.compute is not None:
+                    ctx.compute.add(compute)
                 ctx.step = step
                 bar.update(step, loss=metrics.get("loss"))
                 if self._boundary(ctx, step):
@@ -102,7 +121,10 @@ class TrainPhase:
         if ck.every_steps and step % ck.every_steps == 0:
             self.checkpoint(ctx, "periodic")
             self.saved_at = step
-        if not (ck.on_signal and agree_stop(ctx)):
+        # The stop flag's all-reduce also carries the adaptive deadlines: with auto deadlines it runs even
+        # when signals are not handled (its flag is then ignored).
+        stop = agree_stop(ctx) if (ck.on_signal or ctx.adaptive) else False
+        if not (ck.on_signal and stop):
             return False
         ctx.stop.stop_step = step
         if self.saved_at != step:

@@ -138,17 +138,48 @@ class TeardownConfig(Section):
     """Process exit codes."""
 
 
+AUTO_CEILING_S: dict[str, float] = {"step": 600.0, "checkpoint": 1200.0}
+"""The static deadline of an ``auto`` phase: it applies until calibrated, and caps the adaptive value."""
+
+
 class Deadlines(Section):
     init: Seconds = 300.0
     """Seconds for init: process group, model-parallel groups, policy check."""
     warmup: Seconds = 120.0
     """Seconds for each warmup op and barrier."""
-    step: Seconds = 600.0
-    """Seconds for one train step (its collectives included)."""
-    checkpoint: Seconds = 1200.0
-    """Seconds for one checkpoint save and its commit."""
+    step: Seconds | Literal["auto"] = 600.0
+    """Seconds for one train step (its collectives included); auto: follows the observed step times (watchdog.adaptive)."""
+    checkpoint: Seconds | Literal["auto"] = 1200.0
+    """Seconds for one checkpoint save and its commit; auto: follows the observed checkpoint spans."""
     teardown: Seconds = 30.0
     """Seconds for the teardown collectives (barrier, destroy)."""
+
+    def static(self, name: str) -> float:
+        """The deadline in seconds, ``auto`` read as its static ceiling."""
+        value = getattr(self, name)
+        return AUTO_CEILING_S[name] if value == "auto" else float(value)
+
+
+class AdaptiveConfig(Section):
+    factor: float = Field(4.0, ge=1.0, le=1000.0)
+    """An auto deadline is factor x the quantile of the recent window (clamped to [floor_s, the static default])."""
+    quantile: float = Field(0.99, gt=0.0, le=1.0)
+    """Which quantile of the window (0.99: p99)."""
+    window: int = Field(200, ge=1, le=100_000)
+    """Observations (steps, checkpoint spans) the quantile is taken over."""
+    floor_s: Seconds = 5.0
+    """An auto deadline is never shorter than this."""
+    calibration_steps: int = Field(20, ge=1, le=1_000_000)
+    """Observations before the auto deadline replaces the static one (the first step after a resume is static too)."""
+
+
+class StragglerConfig(Section):
+    action: Literal["report", "off"] = "report"
+    """report: name a rank whose step compute time stays above its peers' median (event, rank-0 log, summary)."""
+    factor: float = Field(1.5, gt=1.0, le=1000.0)
+    """A straggler's median compute time is at least factor x the median of the other ranks'."""
+    window: int = Field(50, ge=2, le=100_000)
+    """Steps each rank's median compute time is taken over (a rank is judged once its window is full)."""
 
 
 class WatchdogConfig(Section):
@@ -164,6 +195,10 @@ class WatchdogConfig(Section):
     """abort: report, abort process groups and exit with the hang code; report: only report."""
     sequence_check: bool = True
     """Compare per-group collective counts across ranks at phase boundaries."""
+    adaptive: AdaptiveConfig = AdaptiveConfig()
+    """How auto deadlines (deadlines.step / deadlines.checkpoint: auto) follow what the job does."""
+    straggler: StragglerConfig = StragglerConfig()
+    """Naming ranks that are persistently slower than their peers (the job goes on)."""
 
 
 class FaultDrill(Section):
@@ -173,9 +208,12 @@ class FaultDrill(Section):
     """Train step it fires at (train and checkpoint phases only)."""
     ranks: list[NonNegativeInt] = Field(min_length=1)
     """Global ranks the drill fires on."""
-    action: Literal["stall", "crash", "raise", "signal", "skip", "zero_tokens"]
+    action: Literal["stall", "crash", "raise", "signal", "skip", "zero_tokens", "slow"]
     """stall: sleep forever; crash: os._exit; raise: an exception; signal: SIGTERM to itself; skip: skip a collective;
-    zero_tokens: the routers send no token to these ranks' local experts, at every step from `step` on (or at `steps`)."""
+    zero_tokens: the routers send no token to these ranks' local experts, at every step from `step` on (or at `steps`);
+    slow: `seconds` of extra compute in every train step from `step` on (a straggler)."""
+    seconds: Seconds | None = None
+    """slow only: extra seconds per step."""
     steps: list[PositiveInt] | None = None
     """zero_tokens only: the train steps it acts at, instead of every step from `step` on."""
     op: str | None = None
@@ -191,6 +229,9 @@ class FaultDrill(Section):
             raise ValueError("a zero_tokens drill is at: train, with either step (from that step on) or steps")
         if self.steps is not None and (self.action != "zero_tokens" or not self.steps):
             raise ValueError("steps applies to zero_tokens drills only, and needs at least one step")
+        if (self.action == "slow") != (self.seconds is not None) or (self.action == "slow" and self.at != "train"):
+            raise ValueError("a slow drill is at: train with seconds (extra time per step from step on); seconds "
+                             "applies to slow drills only")
         if self.group is not None:
             check_group_name(self.group)
         return self
@@ -263,8 +304,12 @@ class Policy(Section):
         return self
 
     def deadline(self, phase: str) -> float:
-        """The watchdog deadline of ``phase`` in seconds."""
-        return float(getattr(self.watchdog.deadlines, "step" if phase == "train" else phase))
+        """The static watchdog deadline of ``phase`` in seconds (``auto`` reads as its ceiling; the run context
+        applies the adaptive value)."""
+        return self.watchdog.deadlines.static("step" if phase == "train" else phase)
+
+    def is_auto(self, phase: str) -> bool:
+        return getattr(self.watchdog.deadlines, "step" if phase == "train" else phase) == "auto"
 
 
 def default_run_id() -> str:

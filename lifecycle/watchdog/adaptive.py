@@ -21,11 +21,16 @@ from typing import Protocol
 
 
 class AdaptiveSettings(Protocol):
-    factor: float
-    quantile: float
-    window: int
-    floor_s: float
-    calibration_steps: int
+    @property
+    def factor(self) -> float: ...
+    @property
+    def quantile(self) -> float: ...
+    @property
+    def window(self) -> int: ...
+    @property
+    def floor_s(self) -> float: ...
+    @property
+    def calibration_steps(self) -> int: ...
 
 
 def quantile(values: list[float], q: float) -> float:

@@ -46,15 +46,18 @@ class Cause(NamedTuple):
                 "dead": {str(r): how for r, how in self.dead.items()}, "hint": self.hint, "t": time.time()}
 
 
-def deadline_passed(tracker: ProgressTracker, deadline_s: float, rank: int) -> Cause | None:
-    """No begin/end on this rank for the phase's deadline. No store call."""
+def deadline_passed(tracker: ProgressTracker, deadline_s: float, rank: int, *,
+                    how: str | None = None) -> Cause | None:
+    """No begin/end on this rank for the phase's deadline. No store call. ``how`` says how an adaptive deadline
+    was derived."""
     phase, idle = tracker.phase, tracker.idle_s()
     if idle < deadline_s:
         return None
     op = tracker.current()
     where = f" (at {op.name} on group {op.group}, op #{op.seq} there)" if op else ""
+    rule = f" ({how})" if how else ""
     return Cause("hang", f"rank {rank} made no progress for {idle:.1f}s{where}; the {phase} deadline is "
-                 f"{deadline_s:g}s", rank, phase)
+                 f"{deadline_s:.3g}s{rule}", rank, phase)
 
 
 def from_alarm(ch: SideChannel, rank: int) -> Cause | None:

@@ -48,6 +48,7 @@ from lifecycle.watchdog.causes import Cause
 from lifecycle.watchdog.members import members_of
 from lifecycle.watchdog.report import publish, publish_local, publish_usage
 from lifecycle.watchdog.sidechannel import SideChannel, connect, store_address
+from lifecycle.watchdog.straggler import StragglerDetector
 from lifecycle.watchdog.tracker import ProgressTracker
 
 if TYPE_CHECKING:
@@ -55,6 +56,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+STRAGGLER_EVERY_S = 1.0  # rank 0 compares the compute medians at most this often
 FRESHEN_MAX = 64  # dead or silent ranks whose events file is read to freshen their record
 FULL_VIEW_MAX = 1024  # above this world size a rank reads only the records it needs for its own line
 
@@ -82,6 +84,10 @@ class Watchdog:
             self._connect, op_timeout_s=op_timeout, name="lifecycle-failure-io", address=self.store_address)
         self._announced = False
         self._beats = causes.Heartbeats(self.rank, self.world, self.cfg.heartbeat_stale_s)
+        straggler = self.cfg.straggler
+        self._stragglers = (StragglerDetector(straggler) if self.rank == 0 and straggler.action == "report"
+                            and 1 < self.world <= FULL_VIEW_MAX else None)
+        self._next_straggler_check = 0.0
         self._next_probe = 0.0
         self._thread = threading.Thread(target=self._run, name="lifecycle-watchdog", daemon=True)
 
@@ -129,7 +135,10 @@ class Watchdog:
         if self.failing or self.reported is not None:
             self._safe(self._publish_and_beat, self._io)
             return
-        cause = (causes.deadline_passed(self.progress, self.ctx.deadline(self.progress.phase), self.rank)
+        phase = self.progress.phase
+        derivation = self.ctx.derivation(phase)
+        cause = (causes.deadline_passed(self.progress, self.ctx.deadline(phase), self.rank,
+                                        how=derivation.text if derivation is not None else None)
                  or causes.from_marker(self.ctx.run_dir) or self._lost())
         if cause is None:
             io = self._io
@@ -138,6 +147,22 @@ class Watchdog:
                      or self._safe(self._beats.check, io) or self._safe(self._crossed, io))
         if cause is not None:
             self.fire(cause, self._io)
+        elif self._stragglers is not None and time.monotonic() >= self._next_straggler_check:
+            self._next_straggler_check = time.monotonic() + STRAGGLER_EVERY_S
+            self._check_stragglers()
+
+    def _check_stragglers(self) -> None:
+        """Rank 0: one multi_get of every record, compare the published compute medians (the job goes on)."""
+        assert self._stragglers is not None
+        world = list(range(self.world))
+        records = self._safe(lambda c: c.records(world), self._io)
+        if not records:
+            return
+        for finding in self._stragglers.check(records):
+            log.warning("%s", finding.line())
+            self.ctx.events.instant("straggler", straggler_rank=finding.rank, ratio=round(finding.ratio, 3),
+                                    compute_s=finding.compute_s, median_s=finding.median_s, window=finding.window,
+                                    at_step=finding.step, recovered=finding.recovered or None, line=finding.line())
 
     def _publish_and_beat(self, ch: SideChannel) -> int:
         if not self._announced:
@@ -334,7 +359,10 @@ class Watchdog:
 
     # ---- fields the record takes from the run context (watchdog thread) -----------------------
     def _extra(self) -> JsonDict:
-        return {"ops": dict(self.ctx.op_counts), "sync": self.ctx.keys_taken}
+        extra: JsonDict = {"ops": dict(self.ctx.op_counts), "sync": self.ctx.keys_taken}
+        if self.ctx.compute is not None:
+            extra.update(self.ctx.compute.fields())
+        return extra
 
 
 def abort_and_exit(ctx: RunContext, code: int) -> None:

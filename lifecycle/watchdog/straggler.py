@@ -21,8 +21,10 @@ from lifecycle.jsontypes import JsonDict
 
 
 class StragglerSettings(Protocol):
-    factor: float
-    window: int
+    @property
+    def factor(self) -> float: ...
+    @property
+    def window(self) -> int: ...
 
 
 class ComputeWindow:

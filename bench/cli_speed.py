@@ -19,7 +19,7 @@ CASES = {
     "lifecycle validate": [sys.executable, "-m", "lifecycle", "validate"],
     "lifecycle explain --world-size 16384 (moe_large, tp8 ep8)": [
         sys.executable, "-m", "lifecycle", "explain", "--world-size", "16384", "--rank", "12345",
-        "preset=moe_large", "parallelism.tp=8", "parallelism.ep=8"],
+        "preset=moe_large", "parallelism.tp=8", "train.options.heads=8", "parallelism.ep=8"],
 }
 
 

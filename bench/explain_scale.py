@@ -44,7 +44,7 @@ peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
 print(json.dumps({"rc": rc, "wall_s": wall, "peak_mib": peak, "stderr_bytes": len(err),
                   "traceback": b"Traceback" in err}))
 """
-SCALE_ARGS = ["preset=moe_large", "parallelism.tp=8", "parallelism.ep=8"]
+SCALE_ARGS = ["preset=moe_large", "parallelism.tp=8", "train.options.heads=8", "parallelism.ep=8"]
 
 
 def measure(args: list[str], tree: Path = ROOT, reps: int = 1, limit_s: float = 60, limit_mib: int = 0) -> dict:
@@ -90,7 +90,7 @@ def hostile_cases(tmp: Path) -> dict[str, list[str]]:
         "group override checkpoint=5": ["validate", "checkpoint=5"],
         "explain --world-size 2**63": ["explain", "--world-size", str(2**63)],
         "explain --world-size 10^8 parallelism.tp=8 (exit 0)": ["explain", "--world-size", "100000000",
-                                                                "parallelism.tp=8"],
+                                                                "parallelism.tp=8", "train.options.heads=8"],
     }
 
 

@@ -63,7 +63,7 @@ Exit 0 when equal, 1 when they differ, 2 when a side is not a valid policy (like
 
   lifecycle diff preset=moe preset=moe_large
   lifecycle diff preset=moe_large "preset=moe_large checkpoint.async=false parallelism.ep=8"
-  lifecycle diff -d my_policies house "house parallelism.ep=8" run.id=ci
+  lifecycle diff -d examples/policies house "house parallelism.ep=4" run.id=ci
 """
 
 
@@ -72,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("validate", help="validate a policy; exit 0, or 2 with every error")
+    p.add_argument("--print", "-p", action="store_true", dest="show",
+                   help="print the resolved policy as YAML (every key, schema defaults included)")
     _policy_args(p)
     p = sub.add_parser("explain", help="print the plan and the group layout of one rank")
     p.add_argument("--world-size", "-w", type=_int_in(1, MAX_WORLD_SIZE, ", the largest world size torch "
@@ -109,6 +111,15 @@ def _validate(args: argparse.Namespace) -> int:
 
     loaded = load(args.overrides, config_dir=args.config_dir, config_name=args.config_name)
     p = loaded.policy
+    if args.show:
+        import yaml
+
+        from lifecycle.policy.load import to_plain
+
+        print(f"# {loaded.source} (sha256 {sha256(p)[:12]})" + (f" + {' '.join(args.overrides)}"[:300]
+                                                                if args.overrides else ""))
+        print(yaml.safe_dump(to_plain(p), sort_keys=False), end="")
+        return ExitCode.OK
     print(f"ok: {loaded.source} (sha256 {sha256(p)[:12]}) train={p.train.kind}x{p.train.steps} "
           f"tp={p.parallelism.tp} pp={p.parallelism.pp} ep={p.parallelism.ep} "
           f"warmup={len(p.warmup.ops)} ops checkpoint every {p.checkpoint.every_steps or 'never'}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, Strict
 
 Phase = Literal["init", "warmup", "train", "checkpoint", "teardown"]
 """The phase names, declared once (``lifecycle.machine.graph`` reads them from here: the policy layer
@@ -16,6 +16,9 @@ MAX_SECONDS = 1e9
 
 Seconds = Annotated[float, Field(gt=0, le=MAX_SECONDS, allow_inf_nan=False)]
 """A deadline or timeout: finite, > 0 and at most :data:`MAX_SECONDS` (``inf`` and ``nan`` are refused)."""
+
+Flag = Annotated[bool, Strict()]
+"""A boolean: true or false only (pydantic would otherwise take "yes", "on", 1 ...)."""
 
 
 class Section(BaseModel):

@@ -33,6 +33,7 @@ def cross_field_issues(p: Policy) -> list[PolicyIssue]:
             issues.append(PolicyIssue(
                 "parallelism.ep", f"must divide train.options.num_experts ({experts}); pick ep in "
                 f"{divisors(experts)}", ep))
+    issues.extend(_model_shape_issues(p))
     if p.moe.zero_token.action != "off" and experts == 0:
         issues.append(PolicyIssue("moe.zero_token.action", "the model has no experts (train.options."
                                   "num_experts=0); set it to off", p.moe.zero_token.action))
@@ -47,6 +48,38 @@ def divisors(n: int, limit: int = 16) -> list[int] | str:
     small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
     found = sorted({*small, *(n // d for d in small)})
     return found if len(found) <= limit else f"{found[:limit]} ... ({len(found)} divisors)"
+
+
+def _divides(issues: list[PolicyIssue], key: str, size: int, what: str, value: int | None) -> None:
+    if value is not None and size > 1 and value % size:
+        issues.append(PolicyIssue(key, f"must divide {what} ({value}); megatron would refuse the model at build",
+                                  size))
+
+
+def _model_shape_issues(p: Policy) -> list[PolicyIssue]:
+    """What megatron-core checks when it builds the model, checked before anything starts (options of any kind
+    that has them: heads, layers, ffn_hidden, seq_len, num_experts)."""
+    o, par = p.train.options, p.parallelism
+    if p.train.steps == 0 or o is None:
+        return []
+    issues: list[PolicyIssue] = []
+    heads, layers = getattr(o, "heads", None), getattr(o, "num_layers", None)
+    ffn, seq = getattr(o, "ffn_hidden", None), getattr(o, "seq_len", None)
+    _divides(issues, "parallelism.tp", par.tp, "train.options.heads", heads)
+    _divides(issues, "parallelism.tp", par.tp, "train.options.ffn_hidden", ffn)
+    # tensor parallelism runs with sequence parallelism (megatron requires it with expert parallelism)
+    _divides(issues, "parallelism.tp", par.tp, "train.options.seq_len (sequence parallel)", seq)
+    _divides(issues, "parallelism.etp", par.expert_tp, "train.options.ffn_hidden (expert tensor parallel)",
+             ffn if getattr(o, "num_experts", 0) else None)
+    stages = par.pp * (par.vpp or 1)
+    if layers is not None and stages > 1 and layers % stages:
+        issues.append(PolicyIssue("train.options.num_layers", f"must be divisible by pp x vpp = {par.pp} x "
+                                  f"{par.vpp or 1} = {stages} (one equal share of layers per pipeline stage)",
+                                  layers))
+    if seq is not None and par.cp > 1 and seq % (2 * par.cp):
+        issues.append(PolicyIssue("train.options.seq_len", f"must be divisible by 2 x cp = {2 * par.cp} (context "
+                                  f"parallel splits each sequence into 2 x cp chunks)", seq))
+    return issues
 
 
 def _fault_issues(p: Policy) -> list[PolicyIssue]:

@@ -84,9 +84,19 @@ def _message(err: Any) -> str:
 def issues_from_validation(exc: ValidationError, prefix: str = "") -> list[PolicyIssue]:
     """One issue per error; union branches that a deeper error explains are dropped."""
     issues = []
-    for err in exc.errors(include_url=False):
+    errors = exc.errors(include_url=False)
+    # A value of a `number | "auto"` key: one error per union member; the literal one only says "or auto".
+    tagged = {tuple(e["loc"][:-1]) for e in errors if e["loc"] and _is_union_tag(e["loc"][-1])}
+    for err in errors:
+        loc = tuple(err["loc"])
+        if loc and _is_union_tag(loc[-1]) and loc[:-1] in tagged:
+            if err["type"] == "literal_error":
+                continue
+            loc = loc[:-1]
         has_value = err["type"] != "missing"
-        issues.append(PolicyIssue(clip(_path(err["loc"], prefix)), clip(_message(err), CLIP_MESSAGE),
+        message = _message(err) + (" (or auto)" if tuple(err["loc"])[:-1] in tagged and "auto" in str(
+            errors) else "")
+        issues.append(PolicyIssue(clip(_path(loc, prefix)), clip(message, CLIP_MESSAGE),
                                   clip_value(err.get("input")) if has_value else None, has_value))
     paths = {i.path for i in issues}
     keep = [i for i in issues if not any(p.startswith(i.path + ".") for p in paths if i.path)]
@@ -97,6 +107,12 @@ def issues_from_validation(exc: ValidationError, prefix: str = "") -> list[Polic
             seen.add((issue.path, issue.message))
             unique.append(issue)
     return unique
+
+
+def _is_union_tag(part: object) -> bool:
+    """pydantic names the member of a union an error comes from in the location: ``constrained-float``,
+    ``literal['auto']``, ``function-after[...]``. Policy keys never contain ``-``, ``[`` or ``'``."""
+    return isinstance(part, str) and any(c in part for c in "-['")
 
 
 def from_validation(exc: ValidationError, source: str | None, prefix: str = "") -> PolicyError:

@@ -71,16 +71,54 @@ def _check_one(text: str, parser: Any, roots: Sequence[ConfigRoot]) -> PolicyIss
                            f"characters; policy keys are a few parts deep (see `lifecycle schema`)", text)
     if not override.is_delete() and is_group(key, roots):
         return _group_issue(key, override.value(), roots)
-    return None
+    return _key_issue(key, text, roots, is_delete=override.is_delete())
+
+
+def _key_issue(key: str, text: str, roots: Sequence[ConfigRoot], *, is_delete: bool) -> PolicyIssue | None:
+    """A key the schema does not know: named with the closest keys it does (never Hydra's "use +key" advice,
+    which only leads to an unknown-key error)."""
+    from lifecycle.policy.schema import is_schema_path, schema_paths
+
+    dotted = key.replace("/", ".")
+    if is_schema_path(dotted) or dotted.split(".")[0] in ("defaults", "_self_") or "_target_" in dotted.split("."):
+        return None  # (_target_ has its own error: a policy never names code)
+    if dotted.split(".")[0] == "train" and dotted.split(".")[:2] == ["train", "options"]:
+        return None  # options of the chosen kind: validated against the kind's model after composing
+    if is_delete:
+        return None  # ~key of a key the files set but the schema does not know: the schema check names it
+    import difflib
+
+    groups = sorted({p.name for r in roots if _is_dir(r.path) for p in r.path.iterdir() if _is_dir(p)})
+    known = schema_paths() + [f"{g} (config group: {g}=OPTION)" for g in groups]
+    close = [c for c in difflib.get_close_matches(dotted, [k.split(" ")[0] for k in known], n=3, cutoff=0.6)]
+    close = [next(k for k in known if k.split(" ")[0] == c) for c in close]
+    hint = f"did you mean {' or '.join(close)}? " if close else ""
+    return PolicyIssue(dotted, f"unknown key; {hint}every key is listed by `lifecycle schema` and in the README's "
+                       f"policy table", text.partition("=")[2] or None)
 
 
 def _group_issue(group: str, value: Any, roots: Sequence[ConfigRoot]) -> PolicyIssue | None:
     names = value if isinstance(value, list) else [value]
-    if all(isinstance(n, str) for n in names):
-        return None  # an unknown option: Hydra's error lists the available ones
-    options = ", ".join(group_options(group, roots)) or "(none)"
-    return PolicyIssue(group, f"a config group takes the name of one of its options: {options}; to use none, "
-                       f"leave it out (or ~{group})", value)
+    options = group_options(group, roots)
+    listed = ", ".join(options) or "(none)"
+    if not all(isinstance(n, str) for n in names):
+        return PolicyIssue(group, f"a config group takes the name of one of its options: {listed}; to use none, "
+                           f"leave it out (or ~{group})", value)
+    unknown = [n for n in names if n not in options]
+    if not unknown:
+        return None
+    from lifecycle.policy.packs import unusable_pack_for
+
+    for name in unknown:  # an option only an unusable pack ships: the pack's own error says why
+        pack = unusable_pack_for(f"{group.replace('.', '/')}/{name}")
+        if pack is not None:
+            pack.check(f"{group.replace('.', '/')}/{name}")
+    import difflib
+
+    close = [m for n in unknown for m in difflib.get_close_matches(n, options, n=1)]
+    hint = f"did you mean {close[0]}? " if close else ""
+    return PolicyIssue(group, f"unknown option of config group {group}; {hint}its options are: {listed} (built-in, "
+                       f"installed packs and --config-dir); to use none, leave it out", value)
 
 
 def is_group(key: str, roots: Sequence[ConfigRoot]) -> bool:

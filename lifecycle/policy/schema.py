@@ -19,7 +19,7 @@ from pydantic import (
 from lifecycle import SCHEMA_VERSION
 from lifecycle.errors import PolicyError, PolicyIssue
 from lifecycle.handlers import registry
-from lifecycle.policy.base import Phase, Seconds, Section
+from lifecycle.policy.base import Flag, Phase, Seconds, Section
 from lifecycle.policy.sections import (
     BarriersConfig,
     DistributedConfig,
@@ -89,17 +89,17 @@ class CheckpointConfig(Section):
     """Checkpoint root (default <run.dir>/checkpoints); committed saves are iter_NNNNNNN/ with a `latest` tracker."""
     every_steps: NonNegativeInt = 0
     """Save every n train steps; 0 disables periodic saves."""
-    at_end: bool = True
+    at_end: Flag = True
     """Save after the last train step."""
-    on_signal: bool = True
+    on_signal: Flag = True
     """On a preemption signal, agree on a stop step, save, and exit 0."""
     signals: list[Signal] = Field(default_factory=lambda: _signals("SIGTERM"))
     """Signals treated as a preemption request."""
     grace_s: Seconds = 120.0
     """Time from a preemption signal to exit, save included."""
-    async_: bool = Field(False, alias="async")
+    async_: Flag = Field(False, alias="async")
     """Write shards in the background; commit at the next step boundary (two-phase commit still)."""
-    fully_parallel: bool = False
+    fully_parallel: Flag = False
     """Spread the write of replicated tensors over the data-parallel ranks."""
     coordination: Literal["store", "gloo"] = "store"
     """How ranks agree that every write is durable: the TCPStore or a dedicated gloo group (never NCCL)."""
@@ -183,7 +183,7 @@ class StragglerConfig(Section):
 
 
 class WatchdogConfig(Section):
-    enabled: bool = True
+    enabled: Flag = True
     """Watch every phase against its deadline through the TCPStore side channel."""
     deadlines: Deadlines = Deadlines()
     """Per-phase deadlines; process-group timeouts of a phase derive from them."""
@@ -193,7 +193,7 @@ class WatchdogConfig(Section):
     """A peer whose heartbeat is older than this is reported dead."""
     action: Literal["abort", "report"] = "abort"
     """abort: report, abort process groups and exit with the hang code; report: only report."""
-    sequence_check: bool = True
+    sequence_check: Flag = True
     """Compare per-group collective counts across ranks at phase boundaries."""
     adaptive: AdaptiveConfig = AdaptiveConfig()
     """How auto deadlines (deadlines.step / deadlines.checkpoint: auto) follow what the job does."""
@@ -318,6 +318,23 @@ def default_run_id() -> str:
         if os.environ.get(var):
             return os.environ[var]
     return "local"
+
+
+def schema_paths() -> list[str]:
+    """Every dotted key of the policy (and of every registered kind's options), for "did you mean" hints."""
+    out: list[str] = []
+
+    def walk(model: type[BaseModel], prefix: str) -> None:
+        for name, sub in _aliases(model).items():
+            out.append(prefix + name)
+            if model is TrainConfig and name == "options":
+                for spec in registry.all_specs("train"):
+                    out.extend(f"{prefix}options.{k}" for k in _aliases(spec.options))
+            elif sub is not None:
+                walk(sub, f"{prefix}{name}.")
+
+    walk(Policy, "")
+    return sorted(set(out))
 
 
 def is_schema_path(dotted: str) -> bool:

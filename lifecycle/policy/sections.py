@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import Field, PositiveInt, field_validator, model_validator
 
 from lifecycle.distributed.names import GROUP_NAMES, closest
-from lifecycle.policy.base import Seconds, Section
+from lifecycle.policy.base import Flag, Seconds, Section
 
 WarmupOp = Literal["barrier", "all_reduce", "all_gather", "all_to_all", "p2p"]
 
@@ -37,7 +37,7 @@ class RunConfig(Section):
 
 
 class FlightRecorderConfig(Section):
-    enabled: bool = True
+    enabled: Flag = True
     """NCCL only: set TORCH_NCCL_TRACE_BUFFER_SIZE and dump the trace on timeout."""
     buffer_size: PositiveInt = 2000
     """Entries kept per rank in the NCCL Flight Recorder ring buffer."""
@@ -46,7 +46,7 @@ class FlightRecorderConfig(Section):
 class DistributedConfig(Section):
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """Process-group backend; auto is nccl when CUDA is available, else gloo."""
-    eager_init: bool = True
+    eager_init: Flag = True
     """NCCL only: init_process_group(device_id=...) creates the communicator now, not at first use."""
     flight_recorder: FlightRecorderConfig = FlightRecorderConfig()
     """NCCL Flight Recorder settings (ignored on gloo)."""
@@ -69,8 +69,8 @@ class ParallelismConfig(Section):
     """Virtual pipeline stages per rank (interleaved schedule); null disables it."""
     dist_opt_instances: PositiveInt = 1
     """Distributed-optimizer instances; > 1 creates the inter-instance (partial expert-DP) group."""
-    order: Literal["tp-cp-ep-dp-pp"] = "tp-cp-ep-dp-pp"
-    """Rank order of the parallel dimensions (Megatron's `order`)."""
+    order: Literal["tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp"] = "tp-cp-ep-dp-pp"
+    """Rank order of the parallel dimensions (Megatron's `order`); tp-cp-ep-pp-dp is Megatron-LM's --use-tp-pp-dp-mapping."""
 
     @property
     def expert_tp(self) -> int:
@@ -84,7 +84,7 @@ class ParallelismConfig(Section):
 
 
 class WarmupConfig(Section):
-    enabled: bool = True
+    enabled: Flag = True
     """Run the warmup phase at all."""
     groups: Literal["all"] | list[str] = "all"
     """Groups to warm, by symbolic name, or `all` (every group that exists in this layout)."""

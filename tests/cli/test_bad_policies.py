@@ -52,7 +52,8 @@ OVERRIDES = {
     "override_syntax": (["a=b=c"], "a: bad override syntax"),
     "override_typo": (["train.options.hiden=3"], "train.options.hiden: Could not override"),
     "override_type": (["watchdog.deadlines.init=abc"], "watchdog.deadlines.init: Input should be a valid number"),
-    "override_preset": (["preset=nope"], "Could not find 'preset/nope'; available: dense, moe, moe_large"),
+    "override_preset": (["preset=nope"], "preset: unknown option of config group preset; its options are: dense, moe, "
+                                         "moe_large"),
     "override_target": (["+_target_=os.system"], "_target_: a policy never names code"),
     "override_env": (["run.name=${oc.env:LIFECYCLE_TEST_UNSET_VAR}"], "run.name: interpolation failed"),
     "switch_kind": (["train.kind=synthetic"], "train.options.num_layers: not an option of train kind 'synthetic'"),

@@ -76,3 +76,39 @@ def test_resolved_policy_yaml_validates_from_disk(tmp_path) -> None:  # type: ig
     (tmp_path / "mine.yaml").write_text(yaml.safe_dump(L.to_plain(L.load([]).policy)))
     proc = run_cli("validate", "--config-dir", str(tmp_path), "--config-name", "mine")
     assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("override,expected", [
+    ("checkpoint=sync", "checkpoint: unknown option of config group checkpoint; did you mean async? its options "
+                        "are: async, off"),
+    ("warmup=ful", "did you mean full? its options are: full, minimal"),
+    ("teardown=fst", "did you mean fast? its options are: fast"),
+    ("checkpoint.keep_lst=5", "checkpoint.keep_lst: unknown key; did you mean checkpoint.keep_last"),
+    ("+checkpoint.keep_lst=5", "checkpoint.keep_lst: unknown key; did you mean checkpoint.keep_last"),
+    ("presets=moe", "did you mean preset (config group: preset=OPTION)"),
+    ("checkpoint.async=yes", "checkpoint.async: Input should be a valid boolean (got 'yes')"),
+    ("parallelism.tp=8", "parallelism.tp: must divide train.options.heads (4); megatron would refuse the model"),
+    ("parallelism.pp=3", "train.options.num_layers: must be divisible by pp x vpp = 3 x 1 = 3"),
+])
+def test_config_groups_keys_and_booleans_are_strict(override: str, expected: str) -> None:
+    from lifecycle.cli import main
+
+    proc = run_cli("validate", override)
+    assert proc.returncode == 2 and expected in proc.stderr, proc.stderr
+    assert "To append to your config use" not in proc.stderr and "Traceback" not in proc.stderr
+    assert main(["validate", "checkpoint=async", "warmup=full", "teardown=fast"]) == 0
+
+
+def test_validate_print_is_the_resolved_policy_as_yaml() -> None:
+    proc = run_cli("validate", "--print", "preset=moe_large", "checkpoint.keep_last=7")
+    assert proc.returncode == 0, proc.stderr
+    data = yaml.safe_load(proc.stdout)
+    assert data["checkpoint"]["keep_last"] == 7 and data["parallelism"]["ep"] == 4
+    assert L.validate(data).checkpoint.keep_last == 7
+
+
+@pytest.mark.timeout(60)
+def test_resume_required_without_a_checkpoint_is_refused_before_any_rank_starts(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    proc = run_cli("run", f"run.dir={tmp_path / 'run'}", "checkpoint.resume=required", timeout=50)
+    assert proc.returncode == 2 and "checkpoint.resume: is required but" in proc.stderr, proc.stderr
+    assert not (tmp_path / "run" / "events").exists()  # no rank started

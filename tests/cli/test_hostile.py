@@ -114,8 +114,8 @@ def test_hostile_input_exits_2_fast_small_and_short(tmp_path: Path, name: str) -
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("args", [
-    ["explain", "--json", "--world-size", "100000000", "--rank", "99999999", "parallelism.tp=8"],
-    ["explain", "--world-size", str(2**30), "--rank", "12345", "preset=moe_large", "parallelism.tp=8",
+    ["explain", "--json", "--world-size", "100000000", "--rank", "99999999", "parallelism.tp=8", "train.options.heads=8"],
+    ["explain", "--world-size", str(2**30), "--rank", "12345", "preset=moe_large", "parallelism.tp=8", "train.options.heads=8",
      "parallelism.ep=8", "parallelism.dist_opt_instances=4"],
     ["schema"],
     ["policies"],

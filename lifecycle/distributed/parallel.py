@@ -18,6 +18,10 @@ if TYPE_CHECKING:
 class ParallelState(Protocol):
     """Create, look up and destroy the model-parallel groups of this process."""
 
+    def load(self) -> None:
+        """Import the backend (seconds on a cold start: init does it before the rendezvous). Local."""
+        ...
+
     def initialize(self, par: ParallelismConfig, timeout_s: float) -> None:
         """Create every group of the layout. Collective on the default group: every rank calls it."""
         ...
@@ -38,6 +42,9 @@ class ParallelState(Protocol):
 
 class WorldOnly:
     """A ParallelState with no model parallelism: ``world`` is the only group."""
+
+    def load(self) -> None:
+        return None
 
     def initialize(self, par: ParallelismConfig, timeout_s: float) -> None:
         return None

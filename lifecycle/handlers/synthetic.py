@@ -138,9 +138,11 @@ class SyntheticStep:
             time.sleep(jitter * random.Random(ctx.policy.run.seed * 7919 + step * 31 + ctx.rank).random())
         wait_s = 0.0
         if self.group is not None and len(self.ranks) > 1:
-            work = dist.all_reduce(flat, group=self.group, async_op=True)
-            wait_s = wait_works([work], "all_reduce(grads)", "dp", self.ranks, ctx.deadline("train"),
-                                time.monotonic())
+            # its own slice in the timeline, and where the watchdog sees a rank wait inside the step
+            with ctx.events.span("all_reduce(grads)", group="dp", size=len(self.ranks)):
+                work = dist.all_reduce(flat, group=self.group, async_op=True)
+                wait_s = wait_works([work], "all_reduce(grads)", "dp", self.ranks, ctx.deadline("train"),
+                                    time.monotonic())
             ctx.op_counts["dp"] += 1
             flat /= len(self.ranks)
         offset = 0

@@ -1,8 +1,10 @@
 """A PNG Gantt chart of the phases of every rank (matplotlib: the optional ``plot`` extra).
 
 Uses matplotlib's object API with the Agg canvas (no pyplot, no global figure state, no display needed).
-Rows are ranks (rank 0 on top), bars are phases (a failure teardown in red), cut phases are hatched, and
-failures, fault drills, hang reports and exits are markers.
+Rows are ranks (rank 0 on top), bars are phases (a failure teardown in red), cut phases are hatched, thin
+ticks mark train steps, and checkpoint commits, resumes, failures, fault drills, hang reports and exits are
+markers. The start-up before the process group exists (Python imports: seconds that say nothing about the
+job) is folded: the time axis starts shortly before the first ``init_process_group`` and says how much it hid.
 """
 
 from __future__ import annotations
@@ -20,6 +22,10 @@ MANY_RANKS = 64  # above this, exits are not marked (a clean exit per row is noi
 MARKERS = {"failure": ("X", FAILURE_COLOR, "failure"), "fault_drill": ("v", "#ff7f00", "fault drill"),
            "hang": ("D", "#e41a1c", "hang report"), "exit": ("|", "black", "exit"),
            "teardown_deadline": ("P", FAILURE_COLOR, "teardown deadline")}
+# span name (its end) -> marker: what happened to the job's state
+SPAN_MARKERS = {"commit": ("s", "#7b3294", "checkpoint committed"), "resume": ("^", "#1a9641", "resumed")}
+FOLD_MIN_S = 1.0  # fold a start-up longer than this
+MAX_TICKS = 400  # step ticks drawn per rank (every k-th step beyond)
 
 
 def available() -> bool:
@@ -44,31 +50,57 @@ def plot(events: dict[int, list[dict[str, Any]]], path: Path, *, title: str = ""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    t0 = min(e["t"] for evs in events.values() for e in evs)
+    first = min(e["t"] for evs in events.values() for e in evs)
+    t0, folded = _origin(events, first)
     fig = Figure(figsize=_size(len(events)), dpi=dpi, layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
     bars: dict[tuple[str, bool], list[tuple[int, float, float]]] = {}
     points: dict[tuple[str, str, str], list[tuple[float, int]]] = {}
+    ticks: list[tuple[float, int]] = []
     for rank, evs in sorted(events.items()):
+        steps = []
         for span in rank_spans(rank, evs):
             phase = phase_of(span)
-            if phase is not None:
+            start, end = max(span.start_us, t0), span.start_us + span.dur_us
+            if phase is not None and end > t0:
                 label = f"{phase} (failure path)" if span.begin.get("failure") else phase
-                bars.setdefault((label, span.cut), []).append(
-                    (rank, (span.start_us - t0) / 1e6, span.dur_us / 1e6))
+                bars.setdefault((label, span.cut), []).append((rank, (start - t0) / 1e6, (end - start) / 1e6))
+            elif span.name == "step" and not span.cut:
+                steps.append((end - t0) / 1e6)
+            elif span.name in SPAN_MARKERS and not span.cut and span.fields.get("outcome", "ok") == "ok":
+                points.setdefault(SPAN_MARKERS[span.name], []).append(((end - t0) / 1e6, rank))
+        every = max(1, len(steps) // MAX_TICKS)
+        ticks.extend((x, rank) for x in steps[::every])
         for e in evs:
             m = _marker(e["name"]) if e["kind"] == "instant" else None
             if m is not None and not (m[2] == "exit" and len(events) > MANY_RANKS):
-                points.setdefault(m, []).append(((e["t"] - t0) / 1e6, rank))
+                points.setdefault(m, []).append(((max(e["t"], t0) - t0) / 1e6, rank))
     handles = _draw(ax, bars, points)
+    if ticks:
+        xs, ys = zip(*ticks, strict=True)
+        handles["train step"] = ax.scatter(xs, ys, marker="|", color="#1b7837", s=30, linewidths=0.6, zorder=2)
     _axes(ax, sorted(events), title)
+    if folded >= FOLD_MIN_S:
+        ax.set_xlabel(f"seconds since the first init_process_group (start-up before it, {folded:.1f}s of imports, "
+                      f"folded)", fontsize=9)
+        ax.axvline(0.0, color="black", linestyle=":", linewidth=0.8)
     if handles:
         fig.legend(list(handles.values()), list(handles), loc="outside right upper", fontsize=8, frameon=False)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, format="png", dpi=dpi)
     return path
+
+
+def _origin(events: dict[int, list[dict[str, Any]]], first: int) -> tuple[int, float]:
+    """(the time axis origin, the seconds of start-up folded away before it)."""
+    starts = [e["t"] for evs in events.values() for e in evs
+              if e["kind"] == "begin" and e["name"] == "init_process_group"]
+    if not starts:
+        return first, 0.0
+    folded = (min(starts) - first) / 1e6
+    return (min(starts), folded) if folded >= FOLD_MIN_S else (first, 0.0)
 
 
 def _draw(ax: Any, bars: dict[tuple[str, bool], list[tuple[int, float, float]]],

@@ -102,6 +102,8 @@ def _args(fields: dict[str, Any]) -> dict[str, Any]:
 def _complete(span: Span, pid: int, t0: int) -> dict[str, Any]:
     args = _args({"phase": span.begin.get("phase"), **span.fields})
     name = span.name
+    if name == "step" and isinstance(span.begin.get("step"), int):
+        name = f"step {span.begin['step']}"  # one slice per step, findable by number
     if span.cut:
         args["cut"] = CUT_NOTE
         name += " (cut)"

@@ -76,6 +76,10 @@ class InitPhase:
             torch.cuda.set_device(ctx.local_rank)
             if ctx.policy.distributed.eager_init:  # accelerator only: the communicator is created now
                 kwargs["device_id"] = torch.device("cuda", ctx.local_rank)
+        # The backend's imports (seconds) before the rendezvous: the ranks then meet with less skew, and the
+        # timeline can fold the start-up away.
+        with ctx.events.span("import:backend"):
+            ctx.parallel.load()
         ctx.drills.fire("init", op="init_process_group")
         with ctx.events.span("init_process_group", group="world", backend=backend):
             if not dist.is_initialized():

@@ -31,9 +31,10 @@ def agree_stop(ctx: RunContext) -> bool:
 
     values = [1.0 if ctx.stop.preempt_signal else 0.0, *ctx.deadline_proposals()]
     flag = torch.tensor(values, dtype=torch.float64, device=device_for())
-    work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True)
-    wait_works([work], "all_reduce(stop flag)", "world", list(range(ctx.world_size)), ctx.deadline("train"),
-               time.monotonic())
+    with ctx.events.span("all_reduce(stop flag)", group="world"):
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True)
+        wait_works([work], "all_reduce(stop flag)", "world", list(range(ctx.world_size)), ctx.deadline("train"),
+                   time.monotonic())
     ctx.op_counts["world"] += 1
     agreed = flag.cpu().tolist()
     ctx.agree_deadlines(agreed[1:])
@@ -123,7 +124,9 @@ class TrainPhase:
             self.saved_at = step
         # The stop flag's all-reduce also carries the adaptive deadlines: with auto deadlines it runs even
         # when signals are not handled (its flag is then ignored).
-        stop = agree_stop(ctx) if (ck.on_signal or ctx.adaptive) else False
+        # checkpoint.signal_check_every trades that all-reduce on most steps for a later stop after a signal.
+        due = step % ck.signal_check_every == 0 or bool(ck.every_steps and step % ck.every_steps == 0)
+        stop = agree_stop(ctx) if due and (ck.on_signal or ctx.adaptive) else False
         if not (ck.on_signal and stop):
             return False
         ctx.stop.stop_step = step

@@ -11,6 +11,8 @@ from lifecycle.machine.plan import WarmTarget, build_plan, requested_groups
 from lifecycle.phases.points import run_point
 
 if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
     from lifecycle.context import RunContext
     from lifecycle.distributed.collectives import WarmupOp
     from lifecycle.distributed.groups import ResolvedGroup
@@ -33,6 +35,20 @@ class ResolvedView:
         return sorted(targets, key=lambda t: GROUP_NAMES.index(t.names[0]))
 
 
+def _op_for(ctx: RunContext, op: str, group: ResolvedGroup) -> WarmupOp:
+    """The warmup op to run; ``p2p`` on the pipeline group goes to the real neighbouring stages."""
+    from lifecycle.distributed import collectives
+
+    if op != "p2p" or "pp" not in group.names:
+        return collectives.OPS[op]
+    interleaved = (ctx.policy.parallelism.vpp or 1) > 1
+
+    def pipeline(pg: ProcessGroup, ranks: list[int], timeout_s: float, *, group_name: str) -> float:
+        return collectives.pipeline_p2p(pg, ranks, timeout_s, group_name=group_name, interleaved=interleaved)
+
+    return pipeline
+
+
 def _free_memory() -> int | None:
     """Free accelerator memory in bytes (CUDA only), else None."""
     import torch
@@ -50,7 +66,7 @@ class WarmupPhase:
 
     def run(self, ctx: RunContext) -> None:
         """Every rank runs the same ordered (group, op) list; each op is collective on its group."""
-        from lifecycle.distributed import collectives, groups
+        from lifecycle.distributed import groups
 
         policy = ctx.policy
         ctx.groups = groups.resolve(ctx.parallel, requested_groups(policy), policy.warmup.required)
@@ -67,7 +83,7 @@ class WarmupPhase:
                 continue
             op = action.op.split(":", 1)[1]
             group = by_name[action.names[0]]
-            timings[group.label] = timings.get(group.label, 0.0) + self._op(ctx, collectives.OPS[op], op, group,
+            timings[group.label] = timings.get(group.label, 0.0) + self._op(ctx, _op_for(ctx, op, group), op, group,
                                                                             action.deadline_s or 0.0)
         ctx.warmup_s = timings
         self._headroom(ctx)

@@ -45,7 +45,7 @@ class BoundedChannel(Generic[C]):
     """
 
     def __init__(self, connect: Callable[[], C | None], *, op_timeout_s: float, name: str,
-                 address: str = "?") -> None:
+                 address: str = "?", start: bool = True) -> None:
         self.op_timeout_s = op_timeout_s
         self.address = address
         self.name = name
@@ -60,7 +60,13 @@ class BoundedChannel(Generic[C]):
         self._pending: _Call[C, object] | None = None
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._serve, args=(connect,), name=name, daemon=True)
-        self._thread.start()
+        if start:
+            self._thread.start()
+
+    def start(self) -> None:
+        """Start the I/O thread (connecting first), when the constructor was told not to."""
+        if not self._thread.is_alive() and self._thread.ident is None:
+            self._thread.start()
 
     # ---- the I/O thread -------------------------------------------------------------------------------
     def _serve(self, connect: Callable[[], C | None]) -> None:
@@ -135,6 +141,9 @@ class BoundedChannel(Generic[C]):
             self.down_since = since if since is not None else time.monotonic()
             self.down_since_wall = time.time() - (time.monotonic() - self.down_since)
 
-    def close(self) -> None:
-        """Stop the I/O thread once it is free (a thread blocked in a call is a daemon: it dies with the process)."""
+    def close(self, join_s: float = 0.0) -> None:
+        """Stop the I/O thread once it is free, waiting up to ``join_s`` for it (a thread still blocked after that
+        is a daemon: it dies with the process)."""
         self._requests.put(None)
+        if join_s > 0 and self._thread.ident is not None and self._thread is not threading.current_thread():
+            self._thread.join(join_s)

@@ -56,6 +56,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+CONNECT_ATTEMPT_S = 1.0  # one attempt of the side channel's connect (retried until the init deadline)
 STRAGGLER_EVERY_S = 1.0  # rank 0 compares the compute medians at most this often
 FRESHEN_MAX = 64  # dead or silent ranks whose events file is read to freshen their record
 FULL_VIEW_MAX = 1024  # above this world size a rank reads only the records it needs for its own line
@@ -79,9 +80,11 @@ class Watchdog:
         op_timeout = max(1.0, 2 * self.cfg.poll_interval_s)
         self.store_address = store_address()
         self._io: BoundedChannel[SideChannel] = BoundedChannel(
-            self._connect, op_timeout_s=op_timeout, name="lifecycle-watchdog-io", address=self.store_address)
+            self._connect, op_timeout_s=op_timeout, name="lifecycle-watchdog-io", address=self.store_address,
+            start=False)
         self._io_main: BoundedChannel[SideChannel] = BoundedChannel(
-            self._connect, op_timeout_s=op_timeout, name="lifecycle-failure-io", address=self.store_address)
+            self._connect, op_timeout_s=op_timeout, name="lifecycle-failure-io", address=self.store_address,
+            start=False)
         self._announced = False
         self._beats = causes.Heartbeats(self.rank, self.world, self.cfg.heartbeat_stale_s)
         straggler = self.cfg.straggler
@@ -98,6 +101,8 @@ class Watchdog:
         import torch.distributed  # noqa: F401
 
         self.ctx.events.listeners.append(self.progress.on_event)
+        self._io.start()
+        self._io_main.start()
         self._thread.start()
         return self
 
@@ -107,21 +112,30 @@ class Watchdog:
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=self.cfg.poll_interval_s + 2.0)
+        for io in (self._io, self._io_main):  # let a connect attempt or a last call finish (bounded)
+            io.close(join_s=CONNECT_ATTEMPT_S + 0.5)
         if self.progress.on_event in self.ctx.events.listeners:
             self.ctx.events.listeners.remove(self.progress.on_event)
 
     def _connect(self) -> SideChannel | None:
-        """Runs on an I/O thread: connecting may block as long as the init deadline."""
-        store = connect(self.ctx.deadline("init"))
-        return None if store is None else SideChannel(store, self.ctx.policy.run.id)
+        """Runs on an I/O thread, in short attempts until the init deadline (or until the watchdog stops): a
+        thread must never sit in a long C++ call when the interpreter exits."""
+        deadline = time.monotonic() + self.ctx.deadline("init")
+        while not self._stop.is_set():
+            try:
+                store = connect(min(CONNECT_ATTEMPT_S, max(deadline - time.monotonic(), 0.1)))
+            except Exception:  # noqa: BLE001 - not up yet (rank 0 creates it inside init under mp.spawn)
+                if time.monotonic() >= deadline:
+                    raise
+                continue
+            return None if store is None else SideChannel(store, self.ctx.policy.run.id)
+        return None
 
     def _run(self) -> None:
         while not self._stop.is_set():
             self._tick()
             self._stop.wait(self._sleep_s())
         self._safe(lambda ch: ch.publish(self.rank, self.progress.record()), self._io)
-        self._io.close()
-        self._io_main.close()
 
     def _sleep_s(self) -> float:
         """Until the next poll, or exactly until this rank's deadline passes if that comes first."""

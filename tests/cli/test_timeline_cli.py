@@ -42,7 +42,8 @@ def test_timeline_of_a_real_run(tmp_path: Path) -> None:
     for rank in (0, 1):
         names = _x(trace, rank)
         assert {f"phase:{p}" for p in PHASES} <= set(names)
-        assert {"init_process_group", "warm:all_reduce", "step", "save", "commit"} <= set(names)
+        assert {"init_process_group", "warm:all_reduce", "step 1", "save", "commit"} <= set(names)
+        assert "all_reduce(grads)" in names and "all_reduce(stop flag)" in names  # the step's collectives
         assert not [n for n in names if n.endswith("(cut)")]
     assert trace["metadata"]["outcome"] == "all 2 ranks succeeded"
     png = run.run_dir / "timeline.png"

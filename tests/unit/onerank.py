@@ -24,6 +24,9 @@ class RecordingParallel:
         self.calls: list[str] = []
         self.initialized = False
 
+    def load(self) -> None:
+        self.calls.append("load")
+
     def initialize(self, par: Any, timeout_s: float) -> None:
         self.calls.append(f"initialize tp={par.tp} pp={par.pp} ep={par.ep} timeout={timeout_s:g}")
         self.initialized = True

@@ -160,6 +160,9 @@ def get_group(name: str) -> Any | None:
 class MegatronParallel:
     """:class:`lifecycle.distributed.parallel.ParallelState` over megatron-core's ``parallel_state``."""
 
+    def load(self) -> None:
+        _ps()
+
     def initialize(self, par: ParallelismConfig, timeout_s: float) -> None:
         """Collective on the default group (see :func:`initialize`)."""
         if not is_initialized():

@@ -95,7 +95,7 @@ def test_spans_cut_by_a_crash_end_at_the_last_event_and_are_marked(tmp_path: Pat
     trace = timeline.build_trace(timeline.load(tmp_path))
     check_trace(trace)
     cut = {e["name"]: e for e in trace["traceEvents"] if e["ph"] == "X" and e["tid"] == 1}
-    assert set(cut) == {"phase:train (cut)", "step (cut)", "save (cut)"}
+    assert set(cut) == {"phase:train (cut)", "step 1 (cut)", "save (cut)"}  # a step slice carries its number
     for e in cut.values():  # closed at rank 1's last event (t=140, ts relative to t=100)
         assert e["ts"] + e["dur"] == 40 and "died" in e["args"]["cut"]
     whole = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["tid"] == 0]

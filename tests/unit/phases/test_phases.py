@@ -28,9 +28,9 @@ def test_init_creates_the_group_the_store_and_the_layout_and_checks_the_policy(m
     ctx = _init(make_ctx())
     assert dist.is_initialized() and dist.get_world_size() == 1 and ctx.store is not None
     assert isinstance(ctx.parallel, RecordingParallel)
-    assert ctx.parallel.calls == ["initialize tp=1 pp=1 ep=1 timeout=20"]
+    assert ctx.parallel.calls == ["load", "initialize tp=1 pp=1 ep=1 timeout=20"]
     assert ctx.op_counts["world"] == 1  # the policy-hash all_gather
-    assert names(ctx) == ["init_process_group", "initialize_model_parallel", "check_policy_hash"]
+    assert names(ctx) == ["import:backend", "init_process_group", "initialize_model_parallel", "check_policy_hash"]
 
 
 def test_init_refuses_a_layout_the_world_cannot_hold_before_any_group_exists(make_ctx: MakeCtx) -> None:

@@ -15,6 +15,17 @@ from tests.helpers import ROOT, run_cli
 EXAMPLES = ROOT / "examples"
 
 
+def _torchrun_example(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
+    """examples/torchrun.sh with 2 ranks, the synthetic kind, a free rendezvous port and a run id of its own."""
+    from tests._dist import free_port
+
+    venv_bin = Path(os.sys.executable).parent
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{venv_bin}:{os.environ['PATH']}",
+           "RDZV_PORT": str(free_port()), "RUN_ID": f"example-{os.getpid()}-{tmp_path.name}"}
+    return subprocess.run(["bash", str(EXAMPLES / "torchrun.sh"), "2", *SYNTHETIC, *FAST, *overrides],
+                          capture_output=True, text=True, timeout=110, env=env, cwd=tmp_path)
+
+
 def test_house_policy_validates_and_explains() -> None:
     args = ("--config-dir", str(EXAMPLES / "policies"), "--config-name", "house")
     proc = run_cli("validate", *args)
@@ -26,15 +37,8 @@ def test_house_policy_validates_and_explains() -> None:
 @pytest.mark.distributed
 @pytest.mark.timeout(120)
 def test_torchrun_example_runs_each_rank(tmp_path: Path) -> None:
-    venv_bin = Path(os.sys.executable).parent
-    from tests._dist import free_port
-
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{venv_bin}:{os.environ['PATH']}",
-           "RDZV_PORT": str(free_port()), "RUN_ID": f"example-{os.getpid()}"}
     run_dir = tmp_path / "run"
-    proc = subprocess.run(["bash", str(EXAMPLES / "torchrun.sh"), "2", f"run.dir={run_dir}", *SYNTHETIC, *FAST,
-                           "train.steps=3", "checkpoint.every_steps=0"],
-                          capture_output=True, text=True, timeout=110, env=env, cwd=tmp_path)
+    proc = _torchrun_example(tmp_path, f"run.dir={run_dir}", "train.steps=3", "checkpoint.every_steps=0")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     events = read_events(run_dir)
     assert sorted(events) == [0, 1]
@@ -46,14 +50,8 @@ def test_torchrun_example_runs_each_rank(tmp_path: Path) -> None:
 @pytest.mark.distributed
 @pytest.mark.timeout(120)
 def test_torchrun_summary_names_the_failed_ranks_cause_and_code(tmp_path: Path) -> None:
-    from tests._dist import free_port
-
-    venv_bin = Path(os.sys.executable).parent
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{venv_bin}:{os.environ['PATH']}",
-           "RDZV_PORT": str(free_port()), "RUN_ID": f"example-fail-{os.getpid()}"}
-    proc = subprocess.run(["bash", str(EXAMPLES / "torchrun.sh"), "2", f"run.dir={tmp_path / 'run'}", *SYNTHETIC,
-                           *FAST, "train.steps=4", "+faults=[{at: train, step: 2, ranks: [1], action: raise}]"],
-                          capture_output=True, text=True, timeout=110, env=env, cwd=tmp_path)
+    proc = _torchrun_example(tmp_path, f"run.dir={tmp_path / 'run'}", "train.steps=4",
+                             "+faults=[{at: train, step: 2, ranks: [1], action: raise}]")
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out  # torchrun's own code for any failed worker
     # ... but its summary shows the rank's cause and lifecycle's exit code, from TORCHELASTIC_ERROR_FILE

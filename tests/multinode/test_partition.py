@@ -41,6 +41,18 @@ def _committed_step(tmp: Path) -> int:
     return int((tmp / "ckpt" / "latest_checkpointed_iteration.txt").read_text())
 
 
+def _start_and_wait_for_a_checkpoint(c: TwoNodes, tmp: Path) -> None:
+    c.start("train.steps=300")
+    assert c.wait_for(tmp / "ckpt" / "latest", 90), [n.output()[-3000:] for n in c.nodes]
+    time.sleep(1.0)
+
+
+def _gone_within_bound(c: TwoNodes, since: float) -> None:
+    gone = c.wait_ranks_gone(BOUND_S + 20)
+    took = {name: (t - since if t is not None else None) for name, t in gone.items()}
+    assert all(t is not None and t <= BOUND_S for t in took.values()), (took, BOUND_S)
+
+
 @pytest.mark.timeout(150)
 def test_a_clean_two_node_run_exits_0_on_both_nodes(tmp_path: Path) -> None:
     with TwoNodes(tmp_path) as c:
@@ -55,13 +67,8 @@ def test_a_clean_two_node_run_exits_0_on_both_nodes(tmp_path: Path) -> None:
 @pytest.mark.timeout(170)
 def test_a_cut_link_takes_every_rank_down_in_bounded_time_and_a_rerun_resumes(tmp_path: Path) -> None:
     with TwoNodes(tmp_path) as c:
-        c.start("train.steps=300")
-        assert c.wait_for(tmp_path / "ckpt" / "latest", 90), [n.output()[-3000:] for n in c.nodes]
-        time.sleep(1.0)
-        cut = c.cut()
-        gone = c.wait_ranks_gone(BOUND_S + 20)
-        took = {name: (t - cut if t is not None else None) for name, t in gone.items()}
-        assert all(t is not None and t <= BOUND_S for t in took.values()), (took, BOUND_S)
+        _start_and_wait_for_a_checkpoint(c, tmp_path)
+        _gone_within_bound(c, c.cut())
         a, b = c.nodes
         # Each side names the other side's ranks or the lost store.
         assert re.search(r"rank [23]\b|\b2-3\b|side channel lost", a.output()), a.output()[-4000:]
@@ -85,13 +92,8 @@ def test_a_cut_link_takes_every_rank_down_in_bounded_time_and_a_rerun_resumes(tm
 @pytest.mark.timeout(150)
 def test_killing_the_store_host_takes_every_rank_down_in_bounded_time(tmp_path: Path) -> None:
     with TwoNodes(tmp_path) as c:
-        c.start("train.steps=300")
-        assert c.wait_for(tmp_path / "ckpt" / "latest", 90), [n.output()[-3000:] for n in c.nodes]
-        time.sleep(1.0)
-        killed = c.kill_agent(c.nodes[0])  # torchrun's agent on node A hosts the rendezvous store
-        gone = c.wait_ranks_gone(BOUND_S + 20)
-        took = {name: (t - killed if t is not None else None) for name, t in gone.items()}
-        assert all(t is not None and t <= BOUND_S for t in took.values()), (took, BOUND_S)
+        _start_and_wait_for_a_checkpoint(c, tmp_path)
+        _gone_within_bound(c, c.kill_agent(c.nodes[0]))  # torchrun's agent on node A hosts the rendezvous store
         for n in c.nodes:
             assert re.search(r"side channel lost: store \S+ unreachable", n.output()), n.output()[-4000:]
         for node in (0, 1):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,12 +22,17 @@ pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture
-def one_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+def one_rank(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The launcher's environment for rank 0 of 1; the signal handlers the worker installs are restored after."""
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("LOCAL_RANK", "0")
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    yield
+    for s, h in handlers.items():
+        signal.signal(s, h)
 
 
 def _policy(tmp_path: Path, **extra: object) -> Path:
@@ -47,12 +53,7 @@ def test_rank_env_names_what_is_missing(monkeypatch: pytest.MonkeyPatch) -> None
 
 def test_one_rank_runs_the_whole_lifecycle_from_the_run_directory(one_rank: None, tmp_path: Path) -> None:
     run_dir = _policy(tmp_path)
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        assert run_rank(run_dir) == 0
-    finally:
-        for s, h in handlers.items():
-            signal.signal(s, h)
+    assert run_rank(run_dir) == 0
     events = read_events(run_dir)[0]
     exit_event = [e for e in events if e["name"] == "exit"][-1]
     assert exit_event["exit_code"] == 0 and exit_event["step"] == 3
@@ -62,12 +63,7 @@ def test_one_rank_runs_the_whole_lifecycle_from_the_run_directory(one_rank: None
 def test_a_preemption_signal_saves_and_exits_0(one_rank: None, tmp_path: Path) -> None:
     run_dir = _policy(tmp_path, train={"kind": "synthetic", "steps": 50, "options": {"step_sleep_s": 0.01}},
                       faults=[{"at": "train", "step": 5, "ranks": [0], "action": "signal"}])
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        assert run_rank(run_dir) == 0
-    finally:
-        for s, h in handlers.items():
-            signal.signal(s, h)
+    assert run_rank(run_dir) == 0
     stop = [e for e in read_events(run_dir)[0] if e["name"] == "exit"][-1]["stop_step"]
     assert stop is not None and 5 <= stop < 50
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == f"iter_{stop:07d}"
@@ -77,12 +73,7 @@ def test_the_watchdog_reports_a_slow_step_past_its_deadline(one_rank: None, tmp_
     run_dir = _policy(tmp_path, train={"kind": "synthetic", "steps": 1, "options": {"step_sleep_s": 1.5}},
                       watchdog={"action": "report", "poll_interval_s": 0.05,
                                 "deadlines": {"init": 20, "step": 0.3}})
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        assert run_rank(run_dir) == 0  # report only: the step finishes and the run ends cleanly
-    finally:
-        for s, h in handlers.items():
-            signal.signal(s, h)
+    assert run_rank(run_dir) == 0  # report only: the step finishes and the run ends cleanly
     report = json.loads((run_dir / rundir.HANG_REPORT).read_text())
     assert report["cause"] == "hang" and report["phase"] == "train" and report["origin_rank"] == 0
     assert report["waits"]["0"]["op"] == "step" and report["waits"]["0"]["step"] == 1

@@ -72,7 +72,7 @@ def group_summary(layout: Any, rank: int) -> dict[str, Any]:
         "groups": {n: ranks for n, g in groups.items() if (ranks := listed(g)) is not None},
         "large_groups": {n: {"size": g.size, "ranks": g.fmt()} for n, g in groups.items() if g.size > LISTED_RANKS},
         "absent": [n for n in GROUP_NAMES if n not in groups],
-        "communicators_per_rank": len(set(groups.values())),
+        "communicators_per_rank": layout.communicators_of(rank),
         "distinct_groups": layout.count_distinct_groups(),
     }
 

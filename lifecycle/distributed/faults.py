@@ -5,6 +5,11 @@ every train step. A matching drill acts on this rank only: ``stall`` sleeps fore
 through ``os._exit`` (no teardown, like a segfault; the worker passes ``exit_codes.rank_failed`` as the code), ``raise`` raises :class:`DrillError`, ``signal``
 sends SIGTERM to this process, ``skip`` makes the caller skip the op (a collective-sequence mismatch).
 Each drill fires once and is logged loudly.
+
+``zero_tokens`` acts inside the model instead, for many steps: from ``step`` on (or at each of ``steps``)
+the routers of the drill rank's expert-parallel group send no token to its local experts. Every member of
+that group has to mask them, so the step handler reads the policy's drills itself (:func:`starved_ranks`,
+the same answer on every rank); :meth:`Drills.fire` only logs it on the drill's ranks at its first step.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from lifecycle.errors import PhaseError
@@ -37,20 +42,40 @@ class Drills:
         self.rank = rank
         self.crash_code = crash_code
         self.pending = [f for f in faults if rank in f.ranks]
+        # slow drills act at every step from their step on: kept apart from the fire-once drills
+        self.slow = [f for f in self.pending if f.action == "slow"]
+        self.pending = [f for f in self.pending if f.action != "slow"]
+        self._slow_started: set[int] = set()
         self.on_fire = on_fire
-        if self.pending:
+        if self.pending or self.slow:
             log.warning("FAULT DRILLS ARMED on rank %d: %s", rank,
                         "; ".join(f"{f.action} at {f.at}" + (f" step {f.step}" if f.step is not None else "")
-                                  for f in self.pending))
+                                  for f in [*self.pending, *self.slow]))
 
     def _match(self, f: FaultDrill, phase: str, step: int | None, op: str | None, group: str | None) -> bool:
         if f.at != phase:
+            return False
+        if f.steps and f.steps[0] != step:
             return False
         if f.step is not None and f.step != step:
             return False
         if f.op is not None and f.op != op:
             return False
         return f.group is None or f.group == group
+
+    def slow_s(self, step: int) -> float:
+        """Extra seconds of compute this rank adds to train ``step`` (``slow`` drills, from their step on)."""
+        total = 0.0
+        for i, f in enumerate(self.slow):
+            if f.seconds is not None and step >= (f.step or 1):
+                if i not in self._slow_started:
+                    self._slow_started.add(i)
+                    log.warning("FAULT DRILL: slow (+%gs per step) on rank %d from step %d", f.seconds, self.rank,
+                                step)
+                    if self.on_fire is not None:
+                        self.on_fire(f)
+                total += f.seconds
+        return total
 
     def fire(self, phase: str, *, step: int | None = None, op: str | None = None,
              group: str | None = None) -> bool:
@@ -79,3 +104,17 @@ class Drills:
             os.kill(os.getpid(), signal.SIGTERM)
             return False
         return f.action == "skip"
+
+
+def zero_token_drills(faults: Sequence[FaultDrill]) -> list[FaultDrill]:
+    """The policy's ``zero_tokens`` drills (all ranks', not only this rank's)."""
+    return [f for f in faults if f.action == "zero_tokens"]
+
+
+def starved_ranks(faults: Sequence[FaultDrill], step: int) -> list[int]:
+    """Global ranks whose local experts get no token at train ``step``: the same on every rank. Local."""
+    out: set[int] = set()
+    for f in zero_token_drills(faults):
+        if (step in f.steps) if f.steps else (f.step is not None and step >= f.step):
+            out.update(f.ranks)
+    return sorted(out)

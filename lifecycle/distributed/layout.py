@@ -252,6 +252,25 @@ class Layout:
                               [(stride * size, self.dist_opt_instances)])
         return self._exp.rankset(rank - (c - chunk * size) * stride, "tp-cp-ep-pp", ((stride, size),))
 
+    def communicators_of(self, rank: int) -> int:
+        """How many process groups this rank is a member of after megatron-core 0.16.1's
+        ``initialize_model_parallel`` (its defaults: gloo twins on, no all-gather, hierarchical-cp or SHARP
+        groups), the default group included: one per group object, so two kinds count once only where
+        Megatron hands out the same object (intra_edp is edp with one distributed-optimizer instance), and
+        a gloo twin counts apart from its NCCL group. O(1).
+
+        Per rank Megatron creates: dp_cp, dp, edp with their gloo twins; cp, mp, tp, pp, tp_dp_cp, tp_dp,
+        tp_cp, ep, etp, tp_ep, tp_ep_pp, intra_dist_opt; the embedding group (first and last stage) and
+        the position-embedding group (first stage) of its pipeline; with instances > 1 also the
+        intra-instance dp_cp group, intra_edp and inter_dist_opt, each with a gloo twin.
+        """
+        if not 0 <= rank < self.world_size:
+            raise UsageError(f"rank {rank} is outside world size {self.world_size}")
+        count = 1 + 2 * 3 + 12  # world; dp_cp, dp, edp and their twins; the twelve single groups above
+        if self.dist_opt_instances > 1:
+            count += 3 * 2
+        return count + sum(self.group_of(name, rank) is not None for name in ("embd", "pos_embd"))
+
     def count_distinct_groups(self) -> int:
         """How many distinct rank sets all group kinds make together (what ``groups`` would list), in O(1).
 

@@ -34,6 +34,19 @@ class MegatronGPTOptions(Section):
     """MoE token dispatcher."""
     lr: PositiveFloat = 3e-3
     """Adam learning rate."""
+    num_microbatches: PositiveInt = 1
+    """Micro-batches per step and data-parallel rank, run by Megatron's schedule (pipelined when pp > 1;
+    the interleaved schedule with parallelism.vpp needs at least pp of them)."""
+    use_distributed_optimizer: bool = False
+    """Megatron's distributed optimizer: optimizer state sharded over the data-parallel ranks (of one instance
+    when parallelism.dist_opt_instances > 1), gradients reduce-scattered, parameters all-gathered."""
+    overlap_grad_reduce: bool = False
+    """Launch each gradient bucket's reduction from the backward hooks, as soon as its gradients are ready."""
+    overlap_param_gather: bool = False
+    """Distributed optimizer only: all-gather updated parameters bucket by bucket in the next forward."""
+    experts_skip_empty: bool = False
+    """Local experts skip their GEMMs on empty input, as TEGroupedMLP and grouped-GEMM kernels do: a rank that
+    receives no token then leaves its expert parameters out of autograd (see moe.zero_token)."""
 
     @model_validator(mode="after")
     def _shape(self) -> MegatronGPTOptions:
@@ -41,6 +54,9 @@ class MegatronGPTOptions(Section):
             raise ValueError(f"hidden={self.hidden} must be divisible by heads={self.heads}")
         if self.num_experts and self.topk > self.num_experts:
             raise ValueError(f"topk={self.topk} must be <= num_experts={self.num_experts}")
+        if self.overlap_param_gather and not self.use_distributed_optimizer:
+            raise ValueError("overlap_param_gather needs use_distributed_optimizer=true (only the distributed "
+                             "optimizer gathers parameters)")
         return self
 
 
@@ -53,5 +69,7 @@ class SyntheticOptions(Section):
     """Samples per rank and step."""
     lr: PositiveFloat = 0.05
     """SGD learning rate."""
-    step_sleep_s: float = Field(0.0, ge=0)
+    step_sleep_s: float = Field(0.0, ge=0, le=3600, allow_inf_nan=False)
     """Extra time per step (simulates compute in drills and benchmarks)."""
+    step_jitter_s: float = Field(0.0, ge=0, le=3600, allow_inf_nan=False)
+    """Random extra time per step, uniform in [0, step_jitter_s), seeded by run.seed, step and rank (soaks)."""

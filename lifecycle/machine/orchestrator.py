@@ -131,7 +131,7 @@ class Orchestrator:
 
     def exit_code(self, exc: BaseException) -> int:
         codes = self.ctx.policy.teardown.exit_codes
-        if isinstance(exc, HangError):
+        if isinstance(exc, HangError) or getattr(exc, "is_divergence", False):
             return codes.hang
         if isinstance(exc, PolicyError | UsageError):
             return ExitCode.USAGE

@@ -97,6 +97,9 @@ class CheckpointConfig(Section):
     """Signals treated as a preemption request."""
     grace_s: Seconds = 120.0
     """Time from a preemption signal to exit, save included."""
+    signal_check_every: PositiveInt = 1
+    """Agree on a preemption stop every n train steps (one world all-reduce; also at every periodic-save step):
+    n > 1 saves that all-reduce on the other steps, and a signal then waits up to n-1 more steps before the save."""
     async_: Flag = Field(False, alias="async")
     """Write shards in the background; commit at the next step boundary (two-phase commit still)."""
     fully_parallel: Flag = False

@@ -20,7 +20,7 @@ What it reacts to, at every poll:
 Then: one report on every rank (stderr, ``[rank N]``), ``hang_report.json`` from the lowest live rank,
 all Python thread stacks into the rank log (faulthandler), a ``hang_report`` event, and the policy's
 action. ``abort`` aborts the process groups and exits at once with ``exit_codes.hang`` for a hang
-(``rank_failed`` for a divergence); when a peer failed or died it exits with ``exit_codes.rank_failed``
+(a collective divergence too: the job would hang at that collective); when a peer failed or died it exits with ``exit_codes.rank_failed``
 after a short grace, so that the failed rank leaves first (the launcher then names it as the first
 failure) and the training thread may still leave through the failure path. ``report`` only reports. A
 hang in teardown is only reported: the hard deadline (``teardown.deadline_s``) owns that exit.
@@ -228,7 +228,9 @@ class Watchdog:
         codes = self.ctx.policy.teardown.exit_codes
         self.progress.set_state("aborted", f"watchdog: {cause.kind}")
         self._safe(lambda c: c.publish(self.rank, self.progress.record()), ch)
-        code = {"hang": codes.hang, "lost": codes.hang, "usage": ExitCode.USAGE}.get(cause.kind, codes.rank_failed)
+        # a collective divergence hangs the job at its next collective: it gets the hang code, named early
+        code = {"hang": codes.hang, "lost": codes.hang, "sequence": codes.hang,
+                "usage": ExitCode.USAGE}.get(cause.kind, codes.rank_failed)
         from lifecycle.elastic import record_failure
 
         d = self.reported

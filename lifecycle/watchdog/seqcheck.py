@@ -46,6 +46,9 @@ class SequenceMismatch(PhaseError):
     ``ranks`` lists the global ranks whose counts disagree.
     """
 
+    is_divergence = True
+    """The job would hang at the diverging collective: the orchestrator exits with the hang code."""
+
     def __init__(self, message: str, *, ranks: list[int] | None = None, **where: object) -> None:
         super().__init__(message, **where)  # type: ignore[arg-type]
         self.ranks = sorted(set(ranks or []))

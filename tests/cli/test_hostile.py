@@ -30,7 +30,13 @@ try:
 except SystemExit as exc:  # argparse
     rc = exc.code if isinstance(exc.code, int) else 2
 finally:
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    # VmHWM is this address space's own peak; ru_maxrss keeps the parent's size across fork + exec (a pytest
+    # process that loaded torch would make every probe look 500 MB large).
+    try:
+        hwm = [l for l in open("/proc/self/status") if l.startswith("VmHWM:")][0]
+        peak = int(hwm.split()[1]) / 1024
+    except (OSError, IndexError, ValueError):
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     with open(os.environ["LIFECYCLE_PROBE_OUT"], "w") as f:
         json.dump({"rc": rc, "wall_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu,
                    "peak_mib": peak}, f)

@@ -16,19 +16,23 @@ pytestmark = pytest.mark.distributed
 LAYOUTS = [
     (8, {"tp": 2, "pp": 2, "ep": 2}),
     (4, {"tp": 2, "ep": 2, "etp": 1}),
+    # Megatron-LM's --use-tp-pp-dp-mapping, with two distributed-optimizer instances.
+    (8, {"tp": 2, "pp": 2, "ep": 2, "etp": 1, "dist_opt_instances": 2, "order": "tp-cp-ep-pp-dp"}),
 ]
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("world,sizes", LAYOUTS)
+@pytest.mark.parametrize("world,sizes", LAYOUTS, ids=["tp2-pp2-ep2", "tp2-ep2-etp1", "tp-pp-dp-order-2-instances"])
 def test_explain_layout_equals_real_groups(world: int, sizes: dict[str, int]) -> None:
     real = _check(world, sizes)
     overrides = [f"parallelism.{k}={v}" for k, v in sizes.items()]
     loaded = load(overrides)
     for rank in range(world):
-        printed = explain(loaded, world, rank)["layout"]["groups"]
+        layout = explain(loaded, world, rank)["layout"]
         expected = {name: ranks for name, ranks in real[rank]["got"].items() if ranks}
-        assert printed == expected, f"rank {rank}"
+        assert layout["groups"] == expected, f"rank {rank}"
+        # One communicator per process-group object the live rank holds (gloo twins apart).
+        assert layout["communicators_per_rank"] == real[rank]["communicators"], f"rank {rank}"
     # and the CLI prints the same for one rank
     proc = run_cli("explain", "--json", "--world-size", str(world), "--rank", "1", *overrides)
     assert proc.returncode == 0, proc.stderr

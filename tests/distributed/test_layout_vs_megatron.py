@@ -28,7 +28,9 @@ def _compare(rank: int, world: int, sizes: dict[str, Any]) -> dict[str, Any]:
             got[name] = None if pg is None else dist.get_process_group_ranks(pg)
             if got[name] != layout.ranks_of(name, rank):
                 mismatched[name] = (got[name], layout.ranks_of(name, rank))
-        return {"mismatched": mismatched, "got": got}
+        # Every process group object this rank holds (torch keeps one entry per group it is a member of).
+        communicators = len(dist.distributed_c10d._world.pg_map)
+        return {"mismatched": mismatched, "got": got, "communicators": communicators}
     finally:
         parallel.destroy()
 

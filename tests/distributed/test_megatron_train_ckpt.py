@@ -88,6 +88,7 @@ def _train_rank(rank: int, world: int, etp: int) -> dict[str, Any]:
     ps = _setup(etp=etp)
     from lifecycle.backends.megatron import model as m
     from lifecycle.errors import UsageError
+    from lifecycle.handlers.options import MegatronGPTOptions
 
     t0 = time.perf_counter()
     state = m.build(m.ModelSpec())
@@ -102,7 +103,7 @@ def _train_rank(rank: int, world: int, etp: int) -> dict[str, Any]:
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(pipeline_model_parallel_size=2)
     try:
-        m.build(m.ModelSpec())
+        m.build(m.ModelSpec(MegatronGPTOptions(num_layers=3)))
         pp_error = ""
     except UsageError as err:
         pp_error = str(err)
@@ -144,7 +145,7 @@ def test_loss_falls_and_every_parameter_steps(etp: int) -> None:
         assert len(r["experts"]) >= 4  # 2 local experts x 2 layers, fc1 + fc2 each
         assert r["unchanged"] == [], "every parameter, experts included, must be updated"
         assert r["not_replicated"] == [], "build() must seed identical dp/expert-dp replicas"
-        assert "pp=2" in r["pp_error"]
+        assert "num_layers=3 must be divisible by pp*vpp = 2" in r["pp_error"]
     print(f"\nbuild {results[0]['build_s']:.3f}s, step {results[0]['step_s'] * 1e3:.1f}ms, "
           f"losses {losses[0]:.3f} -> {losses[-1]:.3f}")
 

@@ -99,3 +99,42 @@ def test_a_skipped_op_is_a_hang_error_naming_the_group() -> None:
     assert hang["rank"] == 1 and hang["deadline_s"] == DEADLINE_S
     assert "all_reduce on group 'dp' (ranks [1, 3])" in hang["hang"]
     assert DEADLINE_S - 0.1 <= hang["after_s"] < DEADLINE_S + 2.0
+
+
+def _pipeline_p2p(rank: int, world: int) -> dict[str, Any]:
+    from megatron.core import parallel_state as ps
+
+    from lifecycle.backends.megatron import parallel
+    from lifecycle.distributed.collectives import pipeline_neighbours, pipeline_p2p
+    from lifecycle.distributed.groups import resolve
+
+    init_gloo(rank, world)
+    out: dict[str, Any] = {}
+    for vpp in (None, 2):
+        parallel.initialize(pp=world, vpp=vpp, timeout_s=60)
+        try:
+            (pp,) = resolve(parallel.MegatronParallel(), ["pp"])
+            pipeline_p2p(pp.pg, pp.ranks, 20.0, group_name=pp.label, interleaved=vpp is not None)
+            # Megatron's schedule sends to these ranks (its P2PCommunicator wraps around on every stage).
+            out[str(vpp)] = {"ours": list(pipeline_neighbours(pp.ranks, rank, interleaved=vpp is not None)),
+                             "megatron": [ps.get_pipeline_model_parallel_prev_rank(),
+                                          ps.get_pipeline_model_parallel_next_rank()],
+                             "first": ps.is_pipeline_first_stage(), "last": ps.is_pipeline_last_stage()}
+        finally:
+            parallel.destroy()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_pipeline_p2p_exchanges_with_the_schedules_neighbours() -> None:
+    results = run_ranks(_pipeline_p2p, 4, 100)
+    for vpp in ("None", "2"):
+        for rank, both in enumerate(results):
+            r = both[vpp]
+            prev, nxt = r["megatron"]
+            if vpp == "None":  # 1F1B never sends from the last stage to the first
+                prev = None if r["first"] else prev
+                nxt = None if r["last"] else nxt
+            assert r["ours"] == [prev, nxt], (vpp, rank, r)
+    assert results[0]["None"]["ours"] == [None, 1] and results[0]["2"]["ours"] == [3, 1]
+    assert results[3]["None"]["ours"] == [2, None] and results[3]["2"]["ours"] == [2, 0]

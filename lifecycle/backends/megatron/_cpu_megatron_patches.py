@@ -24,6 +24,7 @@ def apply() -> list[str]:
     _patch_grad_clip()
     _patch_torch_norm()
     _patch_uneven_gather()
+    _patch_distrib_optimizer()
     return list(_labels)
 
 
@@ -201,3 +202,49 @@ def _patch_uneven_gather() -> None:
     _gather_along_first_dim._lifecycle_cpu = True  # type: ignore[attr-defined]
     _set(mappings, "_gather_along_first_dim", _gather_along_first_dim,
          "mappings._gather_along_first_dim pads uneven splits (gloo)")
+
+
+# ---------------------------------------------------------------------------------- distributed optimizer
+
+_CUDA_TYPE_NAMES = {"torch.FloatTensor": "torch.cuda.FloatTensor", "torch.HalfTensor": "torch.cuda.HalfTensor",
+                    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor"}
+
+
+@contextlib.contextmanager
+def _cuda_type_names() -> Iterator[None]:
+    """``Tensor.type()`` (no argument) answers the CUDA name of a CPU float tensor, for the block's duration."""
+    assert "type" not in torch.Tensor.__dict__, "Tensor.type is already overridden"
+    orig = torch.Tensor.type
+
+    def type_(self: torch.Tensor, dtype: Any = None, non_blocking: bool = False, **kwargs: Any) -> Any:
+        if dtype is None and not kwargs:
+            name = orig(self)
+            return _CUDA_TYPE_NAMES.get(name, name)
+        return orig(self, dtype, non_blocking, **kwargs)
+
+    torch.Tensor.type = type_  # type: ignore[method-assign, assignment]
+    try:
+        yield
+    finally:
+        del torch.Tensor.type  # the C method of TensorBase shows through again
+
+
+def _patch_distrib_optimizer() -> None:
+    try:
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    except ImportError:
+        return
+    build = DistributedOptimizer.__dict__.get("_build_model_and_main_param_groups")
+    if not isinstance(build, classmethod) or getattr(build.__func__, "_lifecycle_cpu", False):
+        return
+    func = build.__func__
+
+    def _build_model_and_main_param_groups(cls: Any, *args: Any, **kwargs: Any) -> Any:
+        # Sorts parameters by ``param.type() == 'torch.cuda.FloatTensor'`` (else TypeError): at build time
+        # only, CPU tensors answer their CUDA names.
+        with _cuda_type_names():
+            return func(cls, *args, **kwargs)
+
+    _build_model_and_main_param_groups._lifecycle_cpu = True  # type: ignore[attr-defined]
+    DistributedOptimizer._build_model_and_main_param_groups = classmethod(_build_model_and_main_param_groups)
+    note("DistributedOptimizer._build_model_and_main_param_groups sees CPU params as torch.cuda types")

@@ -7,7 +7,9 @@ write results and a ``broadcast`` of the failure flag on the **default group**
 finalized call (and one per check unless ``no_dist``). A rank that writes slowly turns all of these into
 a silent hang of the whole job. Here the save is split so that no collective runs after the writes:
 
-1. :func:`begin_save` (every rank of the default group, same order): builds the sharded state dict and
+1. :func:`begin_save` (every rank of the default group, same order): with ``overlap_param_gather`` first
+   finishes the parameter all-gather of the last update (on each distributed-optimizer instance's dp group),
+   then builds the sharded state dict and
    calls ``dist_checkpointing.save(..., async_sharded_save=True)``, which only *plans*. Collectives, all
    before any tensor is written: ``all_gather_object`` on the default group (sharding validation),
    ``broadcast_object_list`` on the default group (common-state consistency check), with
@@ -46,6 +48,7 @@ import torch.distributed as dist
 from lifecycle.backends.megatron.cpu_compat import apply_cpu_compat
 from lifecycle.backends.megatron.model import TrainState
 from lifecycle.backends.megatron.save_handle import BACKEND, VERSION, SaveHandle
+from lifecycle.backends.megatron.schedule import finish_param_sync
 from lifecycle.errors import PhaseError
 
 __all__ = ["SaveHandle", "begin_save", "load", "sharded_state"]
@@ -53,27 +56,41 @@ __all__ = ["SaveHandle", "begin_save", "load", "sharded_state"]
 logger = logging.getLogger(__name__)
 
 _PHASE = "checkpoint"
+OPTIM_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+"""How the distributed optimizer shards its checkpoint. megatron-core 0.16.1's own default,
+``fully_sharded_model_space``, fails ("ShardedTensor.flattened_range is not supported");
+``fully_reshardable`` gathers every bucket on dp rank 0 at each save."""
 
 
-def sharded_state(state: TrainState, *, is_loading: bool = False) -> dict[str, Any]:
-    """Model + optimizer sharded state dicts, the step, and this rank's RNG states.
+def _model_state(state: TrainState) -> dict[str, Any]:
+    """The model's sharded state dict: ``model``, or ``model0``, ``model1`` ... per virtual stage (Megatron-LM's
+    keys). The tensors' checkpoint keys name global layer numbers, whatever the chunking."""
+    if len(state.chunks) == 1:
+        return {"model": state.gpt.sharded_state_dict()}
+    return {f"model{i}": gpt.sharded_state_dict() for i, gpt in enumerate(state.gpts)}
 
-    Issues no collective. The RNG entry is one ``ShardedObject`` per global rank, so a checkpoint
-    with it loads only at the same world size and layout (Megatron does the same).
+
+def sharded_state(state: TrainState, *, is_loading: bool = False, with_rng: bool = True) -> dict[str, Any]:
+    """Model + optimizer sharded state dicts, the step, the world size and this rank's RNG states.
+
+    Issues no collective. The distributed optimizer's state is saved in megatron-core's ``dp_reshardable``
+    format (Megatron-LM's default; see :data:`OPTIM_METADATA`): each rank writes its own shard of every
+    gradient bucket, and it loads at another data-parallel size with the same tp/pp/ep layout. The RNG
+    entry is one ``ShardedObject`` per global rank (Megatron does the same): it loads at the same world
+    size only, and :func:`load` skips it elsewhere (``with_rng=False``).
     """
     from megatron.core import tensor_parallel
     from megatron.core.dist_checkpointing import ShardedObject
 
-    model_sd = state.gpt.sharded_state_dict()
-    rng = {"cpu": torch.get_rng_state(),
-           "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
-    return {
-        "model": model_sd,
-        "optimizer": state.optimizer.sharded_state_dict(model_sd, is_loading=is_loading),
-        "step": state.step,
-        "rng_state": ShardedObject("rng_state", rng, (dist.get_world_size(),), (dist.get_rank(),),
-                                   replica_id=0),
-    }
+    model_sd = _model_state(state)
+    out = {**model_sd,
+           "optimizer": state.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=OPTIM_METADATA),
+           "step": state.step, "world_size": dist.get_world_size()}
+    if with_rng:
+        rng = {"cpu": torch.get_rng_state(), "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+        out["rng_state"] = ShardedObject("rng_state", rng, (dist.get_world_size(),), (dist.get_rank(),),
+                                         replica_id=0)
+    return out
 
 
 def load(state: TrainState, ckpt_dir: str, *, fully_parallel: bool = False) -> int:
@@ -85,7 +102,8 @@ def load(state: TrainState, ckpt_dir: str, *, fully_parallel: bool = False) -> i
     ``all_gather_object``. With ``fully_parallel`` each shard is read by one rank of the dp(+cp) group
     and sent to the others: add an ``all_gather_object`` and one ``broadcast`` per shard on the dp
     group, and a second default-group plan round. That wrapper calls ``.cuda()``, which the CPU
-    compatibility layer makes work.
+    compatibility layer makes work. A checkpoint saved at another world size (another data-parallel size)
+    loads too, without its per-rank RNG states.
     """
     from megatron.core import dist_checkpointing, tensor_parallel
     from megatron.core import parallel_state as ps
@@ -99,15 +117,60 @@ def load(state: TrainState, ckpt_dir: str, *, fully_parallel: bool = False) -> i
     if fully_parallel:
         strategy = FullyParallelLoadStrategyWrapper(
             TorchDistLoadShardedStrategy(), ps.get_data_parallel_group(with_context_parallel=True))
-    loaded = dist_checkpointing.load(sharded_state(state, is_loading=True), ckpt_dir,
+    _allocate_optimizer_state(state.optimizer)
+    saved_world = dist_checkpointing.load_common_state_dict(ckpt_dir).get("world_size", dist.get_world_size())
+    with_rng = saved_world == dist.get_world_size()
+    if not with_rng:
+        logger.warning("checkpoint %s was saved at world size %s, this run has %d: loading model and optimizer "
+                       "state, not the per-rank RNG states", ckpt_dir, saved_world, dist.get_world_size())
+    loaded = dist_checkpointing.load(sharded_state(state, is_loading=True, with_rng=with_rng), ckpt_dir,
                                      sharded_strategy=strategy)
-    state.gpt.load_state_dict(loaded["model"], strict=True)
-    state.optimizer.load_state_dict(loaded["optimizer"])
-    rng = loaded["rng_state"]
-    torch.set_rng_state(rng["cpu"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(rng["tracker"])
+    for key, gpt in zip(_model_state(state), state.gpts, strict=True):
+        gpt.load_state_dict(loaded[key], strict=True)
+    with torch.no_grad():  # fp32 params: the distributed optimizer's main params are views of the model's
+        state.optimizer.load_state_dict(loaded["optimizer"])
+    _restore_adam_steps(state.optimizer)
+    if with_rng:
+        rng = loaded["rng_state"]
+        torch.set_rng_state(rng["cpu"])
+        tensor_parallel.get_cuda_rng_tracker().set_states(rng["tracker"])
     state.step = int(loaded["step"])
     return state.step
+
+
+def _allocate_optimizer_state(optimizer: Any) -> None:
+    """Give a never-stepped distributed optimizer its Adam state before a load. Local, no collective.
+
+    Without Apex/TransformerEngine (torch's Adam) megatron-core 0.16.1's ``DistributedOptimizer.state_dict()``
+    reads the step from the inner optimizer's per-parameter state and asserts one value, so a fresh
+    optimizer (no state yet) cannot even describe what it would load. megatron's own helper steps the inner
+    optimizer once on zero gradients (parameters unchanged without weight decay; the load overwrites them
+    anyway).
+    """
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        init = getattr(sub, "_init_optimizer_states_with_dummy_values", None)
+        inner = getattr(sub, "optimizer", None)
+        if init is not None and inner is not None and not inner.state:
+            init()
+
+
+def _restore_adam_steps(optimizer: Any) -> None:
+    """Set torch Adam's per-parameter ``step`` from the loaded param group's ``step``. Local.
+
+    The distributed optimizer keeps the iteration in its param groups (what it saves); its
+    ``dp_reshardable`` load then copies every per-parameter state tensor of the load template over the
+    restored state, ``step`` included, which torch's Adam (no Apex/TE) keeps per parameter: without this
+    the bias correction would restart from the template's step.
+    """
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner: Any = getattr(sub, "optimizer", None)
+        for group in getattr(inner, "param_groups", []):
+            if "step" not in group:
+                continue
+            for param in group["params"]:
+                per_param = inner.state.get(param)
+                if per_param and torch.is_tensor(per_param.get("step")):
+                    per_param["step"] = torch.tensor(float(group["step"]), dtype=per_param["step"].dtype)
 
 
 def _capturing_strategy(thread_count: int) -> Any:
@@ -200,6 +263,7 @@ def begin_save(state: TrainState, ckpt_dir: str, *, fully_parallel: bool = False
             strategy = FullyParallelSaveStrategyWrapper(base, dp_cp, do_cache_distribution=True)
         state.save_strategies[key] = (base, strategy)
     base, strategy = state.save_strategies[key]
+    finish_param_sync(state)  # overlap_param_gather leaves the last update's all-gather to the next forward
     with _no_results_manager():
         request = dist_checkpointing.save(sharded_state(state), ckpt_dir, sharded_strategy=strategy,
                                           async_sharded_save=True, validate_access_integrity=first)

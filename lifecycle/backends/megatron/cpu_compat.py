@@ -39,6 +39,9 @@ Patches on megatron-core:
   dispatcher's token gather over the expert-tp group when etp > 1) calls ``all_gather`` with unequal
   tensors, which gloo rejects ("ProcessGroupGloo::allgather: invalid tensor size"); the replacement
   pads every shard to the largest, gathers, and trims. Equal splits keep the original.
+- ``optimizer.distrib_optimizer.DistributedOptimizer._build_model_and_main_param_groups`` sorts parameters by
+  ``param.type() == 'torch.cuda.FloatTensor'`` and raises TypeError for anything else; while it runs (once, when
+  the optimizer is built) ``Tensor.type()`` answers the CUDA name of a CPU float tensor.
 - Hard-coded ``device="cuda"`` allocations (optimizer scale, grad-norm buffers, checkpoint validation
   all-reduce, ...) and ``Tensor.cuda()``: a torch-function mode, entered on the calling thread for the
   life of the process, rewrites a CUDA ``device=`` argument to CPU; ``Tensor.cuda`` returns the tensor
@@ -89,6 +92,7 @@ def apply_cpu_compat() -> bool:
     rewrite is thread-local, see :func:`cuda_to_cpu_mode`). Issues no collective.
     """
     if torch.cuda.is_available():
+        _without_transformer_engine()
         return False
     with _lock:
         if _applied:
@@ -98,6 +102,17 @@ def apply_cpu_compat() -> bool:
         _patch_cuda_allocations()
         logger.debug("megatron CPU compatibility patches: %s", ", ".join(_applied))
     return True
+
+
+def _without_transformer_engine() -> None:
+    """On a GPU without Transformer Engine megatron-core 0.16.1's MoE code names ``te_general_gemm`` without
+    importing it (NameError at the first expert forward); the same one-line fix as on CPU. Idempotent."""
+    try:
+        from megatron.core.transformer.moe import moe_utils
+    except ImportError:
+        return
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 # ---------------------------------------------------------------------------------------- torch.cuda

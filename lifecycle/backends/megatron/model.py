@@ -1,14 +1,17 @@
 """A tiny real Megatron-Core GPT-MoE: build it, feed it a learnable synthetic batch, train it.
 
 Everything here is megatron-core's own machinery, not a stand-in: ``GPTModel`` with the local layer spec
-(``SequentialMLP`` experts, no TransformerEngine), wrapped in megatron-core's
-``DistributedDataParallel`` (gradients go to ``param.main_grad`` buffers and are reduced over the dp group,
-expert gradients over the expert-dp group) and stepped by ``get_megatron_optimizer`` (a
-``ChainedOptimizer`` of one fp32 Adam for dense and one for expert parameters; a plain torch optimizer
-would never step because DDP leaves ``param.grad`` None).
+(``SequentialMLP`` experts, no TransformerEngine), one model chunk per virtual pipeline stage (each with its
+own ``pre_process``/``post_process``), every chunk wrapped in megatron-core's ``DistributedDataParallel``
+(gradients go to ``param.main_grad`` buffers and are reduced over the dp group, expert gradients over the
+expert-dp group; with ``overlap_grad_reduce`` from the backward hooks, bucket by bucket), stepped by
+``get_megatron_optimizer`` (a ``ChainedOptimizer`` of one fp32 Adam for dense and one for expert
+parameters, or of two ``DistributedOptimizer`` s with ``use_distributed_optimizer``; a plain torch
+optimizer would never step because DDP leaves ``param.grad`` None), and driven by Megatron's own
+schedule (:mod:`.schedule`: ``get_forward_backward_func``).
 
 The caller initializes the default group and ``parallel_state`` first; :func:`build` reads the sizes
-from there. Only pp=1 is supported (the training step has no pipeline schedule).
+from there.
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from lifecycle.backends.megatron.cpu_compat import apply_cpu_compat
 from lifecycle.errors import UsageError
@@ -27,6 +29,9 @@ from lifecycle.policy.sections import RunConfig
 
 logger = logging.getLogger(__name__)
 DEFAULT_SEED = RunConfig().seed
+
+__all__ = ["ModelSpec", "TrainState", "build", "parallel_sizes", "step_batches", "synthetic_batch", "train_step",
+           "transformer_config"]
 
 
 @dataclass(frozen=True)
@@ -46,49 +51,82 @@ class TrainState:
     """What :func:`build` returns and :func:`train_step` advances. ``step`` counts finished steps."""
 
     spec: ModelSpec
-    model: Any  # megatron.core.distributed.DistributedDataParallel wrapping a GPTModel
+    chunks: list[Any]
+    """One megatron ``DistributedDataParallel`` per virtual pipeline stage of this rank (one without vpp)."""
     optimizer: Any  # megatron.core.optimizer.MegatronOptimizer (a ChainedOptimizer)
     config: Any  # megatron.core.transformer.TransformerConfig
     step: int = 0
+    grad_norm: float | None = None
+    """The global gradient norm of the last step (before clipping)."""
     sizes: dict[str, int] = field(default_factory=dict)
     save_strategies: dict[tuple[bool, int], tuple[Any, Any]] = field(default_factory=dict)
     """Cached (base, wrapped) save strategies by (fully_parallel, thread_count): see checkpoint.begin_save."""
 
     @property
+    def model(self) -> Any:
+        """The DDP-wrapped first chunk (the whole model on this rank without vpp)."""
+        return self.chunks[0]
+
+    @property
+    def gpts(self) -> list[Any]:
+        """The unwrapped ``GPTModel`` of every chunk, in virtual-stage order."""
+        return [chunk.module for chunk in self.chunks]
+
+    @property
     def gpt(self) -> Any:
-        """The unwrapped ``GPTModel``."""
-        return self.model.module
+        """The unwrapped ``GPTModel`` of the first chunk."""
+        return self.chunks[0].module
+
+    @property
+    def overlap_param_gather(self) -> bool:
+        return bool(self.spec.options.overlap_param_gather)
 
 
 def parallel_sizes() -> dict[str, int]:
-    """The current ``parallel_state`` sizes (tp, pp, ep, etp, dp, edp). Issues no collective."""
+    """The current ``parallel_state`` sizes (tp, pp, vpp, ep, etp, dp, edp, instances). No collective."""
     from megatron.core import parallel_state as ps
 
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size()
     return {
         "tp": ps.get_tensor_model_parallel_world_size(),
         "pp": ps.get_pipeline_model_parallel_world_size(),
+        "vpp": int(vpp) if vpp else 1,
         "ep": ps.get_expert_model_parallel_world_size(),
         "etp": ps.get_expert_tensor_parallel_world_size(),
         "dp": ps.get_data_parallel_world_size(),
         "edp": ps.get_expert_data_parallel_world_size(),
+        "instances": _instances(ps),
     }
+
+
+def _instances(ps: Any) -> int:
+    """Distributed-optimizer instances: megatron keeps no getter, so dp(+cp) size over one instance's part."""
+    try:
+        part = ps.get_data_parallel_world_size(with_context_parallel=True, partial_data_parallel=True)
+    except (TypeError, AssertionError, RuntimeError):  # an older signature, or not initialized
+        return 1
+    return ps.get_data_parallel_world_size(with_context_parallel=True) // part if part else 1
 
 
 def transformer_config(spec: ModelSpec, sizes: dict[str, int]) -> Any:
     """A ``TransformerConfig`` for ``spec`` with the given parallel sizes (fp32, no dropout, CPU)."""
     from megatron.core.transformer import TransformerConfig
 
+    o = spec.options
+    vpp = sizes.get("vpp", 1)
     return TransformerConfig(
-        num_layers=spec.options.num_layers, hidden_size=spec.options.hidden, ffn_hidden_size=spec.options.ffn_hidden,
-        num_attention_heads=spec.options.heads, num_moe_experts=spec.options.num_experts,
-        moe_ffn_hidden_size=spec.options.ffn_hidden, moe_router_topk=spec.options.topk,
-        moe_token_dispatcher_type=spec.options.dispatcher, moe_grouped_gemm=False,
+        num_layers=o.num_layers, hidden_size=o.hidden, ffn_hidden_size=o.ffn_hidden,
+        num_attention_heads=o.heads, num_moe_experts=o.num_experts or None,  # megatron rejects 0 for dense
+        moe_ffn_hidden_size=o.ffn_hidden if o.num_experts else None, moe_router_topk=o.topk,
+        moe_token_dispatcher_type=o.dispatcher, moe_grouped_gemm=False,
         moe_router_load_balancing_type="aux_loss" if spec.aux_loss_coeff else "none",
         moe_aux_loss_coeff=spec.aux_loss_coeff,
         tensor_model_parallel_size=sizes["tp"], pipeline_model_parallel_size=sizes["pp"],
+        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
         expert_model_parallel_size=sizes["ep"], expert_tensor_parallel_size=sizes["etp"],
         # Megatron requires sequence parallelism when tp > 1 is combined with expert parallelism.
         sequence_parallel=sizes["tp"] > 1,
+        pipeline_dtype=torch.float32,
         hidden_dropout=0.0, attention_dropout=0.0, bf16=False, fp16=False,
         params_dtype=torch.float32, use_cpu_initialization=False, perform_initialization=True,
         gradient_accumulation_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=False,
@@ -98,92 +136,118 @@ def transformer_config(spec: ModelSpec, sizes: dict[str, int]) -> Any:
     )
 
 
+def _check_shape(o: MegatronGPTOptions, sizes: dict[str, int]) -> None:
+    stages = sizes["pp"] * sizes["vpp"]
+    if o.num_layers % stages:
+        raise UsageError(f"train.options.num_layers={o.num_layers} must be divisible by pp*vpp = {stages} "
+                         f"(one block of layers per virtual pipeline stage)")
+    if sizes["vpp"] > 1 and o.num_microbatches < sizes["pp"]:
+        raise UsageError(f"the interleaved schedule (vpp={sizes['vpp']}) needs train.options.num_microbatches "
+                         f">= pp = {sizes['pp']}, got {o.num_microbatches}")
+
+
+def _chunks(spec: ModelSpec, config: Any, sizes: dict[str, int]) -> list[Any]:
+    """One GPTModel per virtual pipeline stage of this rank, each knowing whether it is first/last."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from lifecycle.backends.megatron.experts import skip_empty_experts
+
+    o = spec.options
+    layer_spec = get_gpt_layer_local_spec(num_experts=o.num_experts or None, moe_grouped_gemm=False)
+    if o.experts_skip_empty and o.num_experts:
+        layer_spec.submodules.mlp.submodules.experts.module = skip_empty_experts()
+    vpp = sizes["vpp"] if sizes["vpp"] > 1 else None
+    out = []
+    for stage in range(vpp or 1):
+        vp_stage = stage if vpp else None
+        out.append(GPTModel(
+            config=config, transformer_layer_spec=layer_spec, vocab_size=o.vocab, max_sequence_length=o.seq_len,
+            position_embedding_type="learned_absolute", vp_stage=vp_stage,
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)))
+    return out
+
+
 def build(spec: ModelSpec) -> TrainState:
-    """Build model, DDP wrapper and optimizer on this rank, seeded from ``spec.seed``.
+    """Build the model chunks, their DDP wrappers and the optimizer on this rank, seeded from ``spec.seed``.
 
     Collective: every rank of the default group must call it; ``get_megatron_optimizer`` runs two
     ``all_gather_object`` on the default group (it aligns the dense and expert param groups across
-    ranks). Nothing touches the dp/ep/edp groups. ``parallel_state`` must be initialized. Raises
-    :class:`UsageError` for pp > 1.
+    ranks). Nothing touches the dp/ep/edp/pp groups. ``parallel_state`` must be initialized. Raises
+    :class:`UsageError` for a model that does not split into the pipeline's stages.
     """
     from megatron.core import tensor_parallel
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+    from lifecycle.backends.megatron.schedule import wire_schedule
+
     apply_cpu_compat()
+    o = spec.options
     sizes = parallel_sizes()
-    if sizes["pp"] != 1:
-        raise UsageError(f"the megatron backend trains with pp=1 only (got pp={sizes['pp']}); "
-                         "set pipeline_model_parallel_size=1")
+    _check_shape(o, sizes)
     # Same CPU seed everywhere for non-parallel weights; the tracker seeds tp/ep-sharded ones per rank.
     torch.manual_seed(spec.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(spec.seed)
     config = transformer_config(spec, sizes)
-    layer_spec = get_gpt_layer_local_spec(num_experts=spec.options.num_experts, moe_grouped_gemm=False)
-    gpt = GPTModel(config=config, transformer_layer_spec=layer_spec, vocab_size=spec.options.vocab,
-                   max_sequence_length=spec.options.seq_len, position_embedding_type="learned_absolute")
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                               use_distributed_optimizer=False)
+    gpts = _chunks(spec, config, sizes)
+    if torch.cuda.is_available():  # as Megatron-LM's get_model: some submodules (position embeddings) start on CPU
+        gpts = [gpt.cuda(torch.cuda.current_device()) for gpt in gpts]
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=o.overlap_grad_reduce,
+        overlap_param_gather=o.overlap_param_gather, use_distributed_optimizer=o.use_distributed_optimizer,
+        # The instance groups exist either way (warmup and barriers use them); only the distributed optimizer
+        # reduces over them.
+        num_distributed_optimizer_instances=sizes["instances"] if o.use_distributed_optimizer else 1,
+        # As Megatron-LM: with a pipeline, every stage launches its param all-gathers from the schedule.
+        align_param_gather=o.overlap_param_gather and sizes["pp"] > 1)
     # No broadcast_params(): the seeding above already gives identical dp/edp replicas (checked), and
     # a broadcast would touch the dp and expert-dp groups at build time, hiding their lazy first use.
-    model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=gpt)
-    opt_config = OptimizerConfig(optimizer="adam", lr=spec.options.lr, weight_decay=0.0, bf16=False, fp16=False,
+    # Chunks after the first keep one bucket each (Megatron-LM's disable_bucketing).
+    chunks = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=gpt, disable_bucketing=i > 0)
+              for i, gpt in enumerate(gpts)]
+    opt_config = OptimizerConfig(optimizer="adam", lr=o.lr, weight_decay=0.0, bf16=False, fp16=False,
                                  params_dtype=torch.float32, clip_grad=spec.clip_grad,
-                                 use_distributed_optimizer=False)
-    optimizer = get_megatron_optimizer(opt_config, [model])
-    return TrainState(spec=spec, model=model, optimizer=optimizer, config=config, sizes=sizes)
+                                 use_distributed_optimizer=o.use_distributed_optimizer,
+                                 overlap_param_gather=o.overlap_param_gather)
+    optimizer = get_megatron_optimizer(opt_config, chunks)
+    wire_schedule(config, chunks, ddp_config)
+    return TrainState(spec=spec, chunks=chunks, optimizer=optimizer, config=config, sizes=sizes)
 
 
-def synthetic_batch(spec: ModelSpec, step: int, dp_rank: int) -> dict[str, torch.Tensor]:
-    """A deterministic batch for (seed, step, dp_rank): each row counts up by one modulo ``vocab``.
+def synthetic_batch(spec: ModelSpec, step: int, index: int) -> dict[str, torch.Tensor]:
+    """Micro-batch ``index`` of step ``step`` (for ``seed``): each row counts up by one modulo ``vocab``.
 
-    The next token is always ``(token + 1) % vocab``, a pattern the model learns in a few steps. Ranks
-    of one tp group must pass the same dp_rank (they need identical inputs).
+    The next token is always ``(token + 1) % vocab``, a pattern the model learns in a few steps. ``index``
+    numbers the micro-batches of the whole step across data-parallel ranks (see :func:`step_batches`), so
+    the global batch of a step does not depend on how it is split. Ranks of one tp group (and of one
+    pipeline) must ask for the same micro-batches (they need identical inputs).
     """
-    gen = torch.Generator().manual_seed(spec.seed * 1_000_003 + step * 1009 + dp_rank)
-    start = torch.randint(0, spec.options.vocab, (spec.options.micro_batch, 1), generator=gen)
-    offsets = torch.arange(spec.options.seq_len + 1).unsqueeze(0)
-    seq = (start + offsets) % spec.options.vocab
-    position_ids = torch.arange(spec.options.seq_len).unsqueeze(0).expand(spec.options.micro_batch, -1)
-    return {"tokens": seq[:, :-1].contiguous(), "labels": seq[:, 1:].contiguous(),
-            "position_ids": position_ids.contiguous()}
+    o = spec.options
+    gen = torch.Generator().manual_seed(spec.seed * 1_000_003 + step * 1009 + index)
+    start = torch.randint(0, o.vocab, (o.micro_batch, 1), generator=gen)
+    offsets = torch.arange(o.seq_len + 1).unsqueeze(0)
+    seq = (start + offsets) % o.vocab
+    position_ids = torch.arange(o.seq_len).unsqueeze(0).expand(o.micro_batch, -1)
+    # On a GPU the model lives on the current device: the batch goes there (generated on the CPU, so the same
+    # seed gives the same tokens on every machine).
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return {"tokens": seq[:, :-1].contiguous().to(device), "labels": seq[:, 1:].contiguous().to(device),
+            "position_ids": position_ids.contiguous().to(device)}
 
 
-def _forward_backward(state: TrainState, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
-
-    per_token = state.model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-    loss = per_token.float().mean()
-    loss.backward()
-    clear_aux_losses_tracker()  # the tracker accumulates per step; nobody reads it here
-    return loss.detach()
+def step_batches(spec: ModelSpec, step: int, dp_rank: int) -> list[dict[str, torch.Tensor]]:
+    """The ``options.num_microbatches`` micro-batches of data-parallel rank ``dp_rank`` at ``step``: global
+    micro-batches ``dp_rank * n .. dp_rank * n + n - 1``. A step's global batch is therefore the same at dp
+    size d with n micro-batches and at dp size d/2 with 2n (resume at another data-parallel size)."""
+    n = spec.options.num_microbatches
+    return [synthetic_batch(spec, step, dp_rank * n + i) for i in range(n)]
 
 
-def train_step(state: TrainState, batch: dict[str, torch.Tensor]) -> float:
-    """One training step: zero grads, forward, backward, reduce grads, optimizer step.
+def train_step(state: TrainState, batch: dict[str, torch.Tensor] | list[dict[str, torch.Tensor]]) -> float:
+    """One training step over one micro-batch or a list of them (see :func:`.schedule.train_step`)."""
+    from lifecycle.backends.megatron.schedule import train_step as run
 
-    Collective: every rank of the default group must call it with its own batch. Inside, in order:
-    forward/backward collectives on the tp group (sequence-parallel gather/reduce-scatter,
-    vocab-parallel cross entropy) and the ep group (``all_to_all_single`` of token counts and tokens,
-    or all-gathers with the allgather dispatcher; the expert-tp group when etp > 1); then
-    ``finalize_model_grads``: gradient all-reduce on the dp group (dense) and the expert-dp group
-    (experts), layer-norm grads on the tp group; the grad-norm all-reduces of the optimizer on the
-    model-parallel groups; last, the loss all-reduce on the dp group. Returns the dp-averaged loss,
-    identical on every rank.
-    """
-    from megatron.core import parallel_state as ps
-    from megatron.core.distributed import finalize_model_grads
-
-    state.model.zero_grad_buffer()
-    state.optimizer.zero_grad()
-    loss = _forward_backward(state, batch)
-    finalize_model_grads([state.model])
-    ok, _grad_norm, _ = state.optimizer.step()
-    if not ok:
-        logger.warning("optimizer step %d skipped (non-finite gradients)", state.step)
-    dp_group = ps.get_data_parallel_group()
-    dist.all_reduce(loss, group=dp_group)
-    state.step += 1
-    return float(loss.item()) / dist.get_world_size(dp_group)
+    return run(state, [batch] if isinstance(batch, dict) else batch)

@@ -1,6 +1,6 @@
-"""``train.kind: megatron_gpt`` — a real megatron-core GPTModel (MoE when num_experts > 0), trained with
-Megatron's DDP and optimizer, checkpointed with ``dist_checkpointing`` (torch_dist), guarded against
-zero-token MoE ranks by :mod:`lifecycle.moe`."""
+"""``train.kind: megatron_gpt`` — a real megatron-core GPTModel (MoE when num_experts > 0), one chunk per virtual
+pipeline stage, trained with Megatron's schedule, DDP and (distributed) optimizer, checkpointed with
+``dist_checkpointing`` (torch_dist), guarded against zero-token MoE ranks by :mod:`lifecycle.moe`."""
 
 from __future__ import annotations
 
@@ -20,17 +20,20 @@ class MegatronGPTStep:
         self.o = options
         self.state: Any = None
         self.guard: Any = None
+        self.starve: Any = None
         self.dp_rank = 0
 
     def setup(self, ctx: RunContext) -> None:
         """Collective on the default group (the optimizer aligns parameter groups with all_gather_object)."""
         from megatron.core import parallel_state as ps
 
+        from lifecycle.backends.megatron import comm_events
         from lifecycle.backends.megatron.model import ModelSpec, build
 
         o = self.o
         self.state = build(ModelSpec(o, seed=ctx.policy.run.seed))
         self.dp_rank = ps.get_data_parallel_rank()
+        self._record_collectives(ctx, comm_events)
         action = ctx.policy.moe.zero_token.action
         if action != "off" and o.num_experts:
             from lifecycle.moe import install_zero_token_guard
@@ -38,21 +41,60 @@ class MegatronGPTStep:
             def on_event(layer: str, step: int | None, total: int) -> None:
                 ctx.events.instant("zero_token", layer=layer, step=step, count=1, total=total, action=action)
 
-            self.guard = install_zero_token_guard(self.state.gpt, action, rank=ctx.rank, on_event=on_event)
+            self.guard = install_zero_token_guard(self.state.gpts, action, rank=ctx.rank, on_event=on_event)
+        self._zero_token_drills(ctx)
+
+    def _record_collectives(self, ctx: RunContext, comm_events: Any) -> None:
+        from lifecycle.distributed.names import GROUP_NAMES
+
+        if not comm_events.install():
+            log.info("this megatron-core has no DDP coalescing hook: gradient reductions are not traced")
+            return
+
+        def count(label: str) -> None:
+            ctx.op_counts[label] += 1
+
+        from megatron.core import parallel_state as ps
+
+        # Megatron's dense dp group inside one distributed-optimizer instance has no symbolic name.
+        extra = {"intra_dp": ps.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True)}
+        labels = comm_events.group_labels(ctx.parallel.get_group, [n for n in GROUP_NAMES if n != "world"], extra)
+        comm_events.set_recorder(comm_events.Recorder(ctx.events.span, count, labels))
+
+    def _zero_token_drills(self, ctx: RunContext) -> None:
+        from lifecycle.distributed.faults import zero_token_drills
+
+        if not zero_token_drills(ctx.policy.faults) or not self.o.num_experts:
+            return
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        from lifecycle.backends.megatron.experts import ZeroTokenRouting
+
+        ep_ranks = dist.get_process_group_ranks(ps.get_expert_model_parallel_group())
+        self.starve = ZeroTokenRouting(self.state.gpts, ep_ranks, self.o.num_experts, self.o.topk)
 
     def step(self, ctx: RunContext, step: int) -> dict[str, float]:
-        """Collective on every group the model uses (MoE all-to-all, dp/edp gradient reduction, loss)."""
-        from lifecycle.backends.megatron.model import synthetic_batch, train_step
+        """Collective on every group the model uses (pp send/recv, MoE all-to-all, dp/edp gradient reduction,
+        loss): see :func:`lifecycle.backends.megatron.schedule.train_step`."""
+        from lifecycle.backends.megatron.model import step_batches, train_step
 
         if self.guard is not None:
             self.guard.step = step
-        batch = synthetic_batch(self.state.spec, step, self.dp_rank)
-        loss = train_step(self.state, batch)
+        if self.starve is not None:
+            from lifecycle.distributed.faults import starved_ranks
+
+            self.starve.starved = starved_ranks(ctx.policy.faults, step)
+        loss = train_step(self.state, step_batches(self.state.spec, step, self.dp_rank))
         ctx.op_counts["step"] += 1
-        return {"loss": loss}
+        if self.state.grad_norm is None:
+            return {"loss": loss}
+        return {"loss": loss, "grad_norm": self.state.grad_norm}
 
     def begin_save(self, ctx: RunContext, ckpt_dir: Path) -> Any:
-        """Collective on the default group (planning); the writes follow on this rank only."""
+        """Collective on the default group (planning; first the parameter all-gather on each
+        distributed-optimizer instance's dp group with ``overlap_param_gather``); the writes follow on this
+        rank only."""
         from lifecycle.backends.megatron import checkpoint
 
         self.state.step = ctx.step
@@ -71,4 +113,11 @@ class MegatronGPTStep:
         if self.guard is not None:
             self.guard.remove()
             self.guard = None
+        if self.starve is not None:
+            self.starve.remove()
+            self.starve = None
+        if self.state is not None:
+            from lifecycle.backends.megatron import comm_events
+
+            comm_events.set_recorder(None)
         self.state = None

@@ -170,7 +170,8 @@ def _restore_adam_steps(optimizer: Any) -> None:
             for param in group["params"]:
                 per_param = inner.state.get(param)
                 if per_param and torch.is_tensor(per_param.get("step")):
-                    per_param["step"] = torch.tensor(float(group["step"]), dtype=per_param["step"].dtype)
+                    per_param["step"] = torch.tensor(float(group["step"]), dtype=per_param["step"].dtype,
+                                                     device=per_param["step"].device)
 
 
 def _capturing_strategy(thread_count: int) -> Any:

@@ -105,7 +105,8 @@ def _report_loss(losses: list[dict[str, torch.Tensor]]) -> float:
     """
     from megatron.core import parallel_state as ps
 
-    loss = torch.zeros(1)
+    # on the current GPU under NCCL (its collectives take no CPU tensor); CUDA is absent on the CPU layer
+    loss = torch.zeros(1, device=torch.cuda.current_device() if torch.cuda.is_available() else "cpu")
     if losses:  # only the last pipeline stage has them
         loss += torch.stack([d["loss"] for d in losses]).mean()
     dp = ps.get_data_parallel_group()

@@ -75,8 +75,9 @@ def save(ctx: RunContext, reason: str) -> None:
 
     with progress.activity(ctx.rank, f"checkpoint step {ctx.step} ({reason})"):
         t0 = time.monotonic()
-        with ctx.events.span("save", step=ctx.step, reason=reason, path=str(final)):
+        with ctx.events.span("save", step=ctx.step, reason=reason, path=str(final)) as extra:
             handle = _handler(ctx).begin_save(ctx, tmp)
+            extra["host_copy"] = getattr(handle, "host_copy", None)
         ctx.observe("checkpoint", time.monotonic() - t0)
         ctx.pending_save = PendingSave(handle, ctx.step, tmp, final, reason)
         if not ctx.policy.checkpoint.async_:

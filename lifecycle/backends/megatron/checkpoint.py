@@ -209,26 +209,42 @@ def _no_results_manager() -> Iterator[None]:
         filesystem_async._results_queue = None
 
 
-def _host_buckets(request: Any, writer: Any, snapshot: bool) -> list[Any]:
-    """This rank's write buckets with every tensor on the host, private to the writer if ``snapshot``.
+def _host_buckets(request: Any, writer: Any, snapshot: bool) -> tuple[list[Any], str]:
+    """This rank's write buckets with every tensor on the host, private to the writer if ``snapshot``; and how
+    they got there (``pinned``: GPU tensors copied into page-locked host buffers; ``cpu``: already there).
 
-    megatron's ``preload_fn`` copies GPU tensors to the host (the writer asserts ``is_cpu``). For a
-    tensor already on the CPU that "copy" is the live tensor itself, which training would mutate
-    under a background writer (megatron clones only non-contiguous views, not optimizer moments):
-    with ``snapshot`` those are cloned now.
+    GPU tensors are copied device-to-host into pinned memory (asynchronous copies, one synchronize), which is
+    what lets an async save return to training quickly. A tensor already on the CPU is the live tensor itself,
+    which training would mutate under a background writer (megatron clones only non-contiguous views, not
+    optimizer moments): with ``snapshot`` those are cloned now.
     """
     if request.async_fn is None or not writer.write_buckets:
-        return []
+        return [], "none"
     live = writer.write_buckets
-    staged = request.preload_fn() if request.preload_fn is not None else live
-    if not snapshot:
-        return list(staged)
+    on_gpu = any(t.is_cuda for _, _, (_, tensors) in live for _, t in tensors)
+    if not on_gpu:
+        staged = request.preload_fn() if request.preload_fn is not None else live
+        if not snapshot:
+            return list(staged), "cpu"
+        out = []
+        for (name, key, (bytes_data, tensors)), (_, _, (_, originals)) in zip(staged, live, strict=True):
+            copied = [(item, t.detach().clone() if t is orig else t)
+                      for (item, t), (_, orig) in zip(tensors, originals, strict=True)]
+            out.append((name, key, (bytes_data, copied)))
+        return out, "cpu"
     out = []
-    for (name, key, (bytes_data, tensors)), (_, _, (_, originals)) in zip(staged, live, strict=True):
-        copied = [(item, t.detach().clone() if t is orig else t)
-                  for (item, t), (_, orig) in zip(tensors, originals, strict=True)]
-        out.append((name, key, (bytes_data, copied)))
-    return out
+    for name, key, (bytes_data, tensors) in live:
+        staged_tensors = []
+        for item, t in tensors:
+            if t.is_cuda:
+                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                host.copy_(t.detach(), non_blocking=True)
+            else:
+                host = t.detach().clone() if snapshot else t
+            staged_tensors.append((item, host))
+        out.append((name, key, (bytes_data, staged_tensors)))
+    torch.cuda.current_stream().synchronize()  # every copy has landed before the writer reads a buffer
+    return out, "pinned"
 
 
 def begin_save(state: TrainState, ckpt_dir: str, *, fully_parallel: bool = False,
@@ -271,5 +287,6 @@ def begin_save(state: TrainState, ckpt_dir: str, *, fully_parallel: bool = False
     writer, global_metadata, _ = base.captured
     handle = SaveHandle(ckpt_dir, writer, global_metadata, step=state.step)
     handle.plan_s = time.perf_counter() - t0
-    handle.start_writes(_host_buckets(request, writer, snapshot=async_), async_)
+    buckets, handle.host_copy = _host_buckets(request, writer, snapshot=async_)
+    handle.start_writes(buckets, async_)
     return handle

@@ -56,6 +56,8 @@ class SaveHandle:
         self.rank = dist.get_rank()
         self.plan_s = 0.0
         self.write_s: float | None = None
+        self.host_copy = "none"
+        """How the shards reached host memory: ``pinned`` (GPU -> page-locked buffers) or ``cpu``."""
         self._writer = writer
         self._global_metadata = global_metadata  # only on global rank 0
         self._results: list[Any] | None = None

@@ -145,3 +145,48 @@ def test_running_the_same_command_again_continues_the_run(tmp_path: Path) -> Non
     assert "earlier  attempt 1" in second.proc.stdout
     never = lifecycle_run(tmp_path, 2, *FAST, "checkpoint.resume=never")
     assert never.code == 2 and "already holds a run" in never.output
+
+
+def _save_with_megatron_cores_own_save(rank: int, world: int, ckpt_dir: str) -> list[float]:
+    """Train the default model 6 steps on 2 ranks and save it as a megatron-core user would: the model only."""
+    import warnings
+
+    warnings.simplefilter("ignore")
+    from megatron.core import dist_checkpointing
+
+    from lifecycle.backends.megatron import model as m
+    from lifecycle.backends.megatron import parallel
+    from lifecycle.policy.load import load
+    from tests._dist import init_gloo
+
+    init_gloo(rank, world)
+    policy = load([]).policy  # the default policy: the model `lifecycle run` builds
+    par = policy.parallelism
+    parallel.initialize(par.tp, par.pp, par.cp, par.ep, par.etp, par.vpp, par.dist_opt_instances, 60)
+    state = m.build(m.ModelSpec(policy.train.options, seed=policy.run.seed))
+    from megatron.core import parallel_state as ps
+
+    losses = [m.train_step(state, m.step_batches(state.spec, step, ps.get_data_parallel_rank()))
+              for step in range(1, 7)]
+    dist_checkpointing.save({"model": state.gpt.sharded_state_dict()}, ckpt_dir)
+    parallel.destroy()
+    return losses
+
+
+@pytest.mark.timeout(170)
+def test_a_checkpoint_saved_by_megatron_cores_own_save_resumes(tmp_path: Path) -> None:
+    from tests._dist import run_ranks
+
+    ck = tmp_path / "ck"
+    (ck / "iter_0000006").mkdir(parents=True)
+    # megatron-core's own save starts a multiprocessing Manager: the ranks must be allowed children
+    losses = run_ranks(_save_with_megatron_cores_own_save, 2, 120, str(ck / "iter_0000006"), daemon=False)[0]
+    (ck / "latest_checkpointed_iteration.txt").write_text("6\n")  # Megatron-LM's tracker, nothing else
+    run = lifecycle_run(tmp_path / "a", 2, *FAST, "train.steps=8", f"checkpoint.dir={ck}")
+    assert run.code == 0, run.output
+    assert "resumed from step 6" in run.proc.stdout
+    resumed = _losses(run)
+    assert sorted(resumed) == [7, 8]
+    # the trained weights were loaded: the loss goes on from where the 6 saved steps left it
+    assert resumed[7] < 0.95 * losses[0] and abs(resumed[7] - losses[-1]) < 0.25 * losses[-1], (losses, resumed)
+    assert "has no optimizer state (saved outside lifecycle)" in run.log(0)

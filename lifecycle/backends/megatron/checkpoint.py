@@ -118,7 +118,10 @@ def load(state: TrainState, ckpt_dir: str, *, fully_parallel: bool = False) -> i
         strategy = FullyParallelLoadStrategyWrapper(
             TorchDistLoadShardedStrategy(), ps.get_data_parallel_group(with_context_parallel=True))
     _allocate_optimizer_state(state.optimizer)
-    saved_world = dist_checkpointing.load_common_state_dict(ckpt_dir).get("world_size", dist.get_world_size())
+    common = dist_checkpointing.load_common_state_dict(ckpt_dir)
+    if not ("step" in common and "world_size" in common):
+        return _load_foreign(state, ckpt_dir, common, strategy)
+    saved_world = common.get("world_size", dist.get_world_size())
     with_rng = saved_world == dist.get_world_size()
     if not with_rng:
         logger.warning("checkpoint %s was saved at world size %s, this run has %d: loading model and optimizer "
@@ -135,6 +138,37 @@ def load(state: TrainState, ckpt_dir: str, *, fully_parallel: bool = False) -> i
         torch.set_rng_state(rng["cpu"])
         tensor_parallel.get_cuda_rng_tracker().set_states(rng["tracker"])
     state.step = int(loaded["step"])
+    return state.step
+
+
+def _load_foreign(state: TrainState, ckpt_dir: str, common: dict[str, Any], strategy: Any) -> int:
+    """A checkpoint lifecycle did not write: megatron-core's own ``dist_checkpointing.save`` of the same model
+    (``{"model": ...}`` or Megatron-LM's ``model0``, ``model1`` ... per virtual stage), maybe with Megatron-LM's
+    ``iteration``. The model is loaded; the optimizer only when the checkpoint has one lifecycle can read, else
+    it starts fresh (logged); RNG states are not read. The step is ``iteration``, else the folder's
+    ``iter_NNNNNNN`` number, else 0. Collective on the default group, as :func:`load`."""
+    import re
+
+    from megatron.core import dist_checkpointing
+
+    loaded = dist_checkpointing.load(_model_state(state), ckpt_dir, sharded_strategy=strategy)
+    for key, gpt in zip(_model_state(state), state.gpts, strict=True):
+        gpt.load_state_dict(loaded[key], strict=True)
+    if "optimizer" in common:
+        try:
+            opt = dist_checkpointing.load({"optimizer": state.optimizer.sharded_state_dict(
+                _model_state(state), is_loading=True, metadata=OPTIM_METADATA)}, ckpt_dir, sharded_strategy=strategy)
+            with torch.no_grad():
+                state.optimizer.load_state_dict(opt["optimizer"])
+            _restore_adam_steps(state.optimizer)
+        except Exception as exc:  # noqa: BLE001 - another optimizer layout: the model is what matters here
+            logger.warning("checkpoint %s: its optimizer state does not load here (%s); the optimizer starts "
+                           "fresh", ckpt_dir, type(exc).__name__)
+    else:
+        logger.warning("checkpoint %s has no optimizer state (saved outside lifecycle): loaded the model; the "
+                       "optimizer starts fresh", ckpt_dir)
+    match = re.search(r"iter_(\d+)", str(ckpt_dir))
+    state.step = int(common.get("iteration") or (match.group(1) if match else 0))
     return state.step
 
 

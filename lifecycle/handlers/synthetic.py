@@ -139,7 +139,7 @@ class SyntheticStep:
         wait_s = 0.0
         if self.group is not None and len(self.ranks) > 1:
             # its own slice in the timeline, and where the watchdog sees a rank wait inside the step
-            with ctx.events.span("all_reduce(grads)", group="dp", size=len(self.ranks)):
+            with ctx.events.span("grad_all_reduce", group="dp", size=len(self.ranks)):
                 work = dist.all_reduce(flat, group=self.group, async_op=True)
                 wait_s = wait_works([work], "all_reduce(grads)", "dp", self.ranks, ctx.deadline("train"),
                                     time.monotonic())

@@ -31,7 +31,7 @@ def agree_stop(ctx: RunContext) -> bool:
 
     values = [1.0 if ctx.stop.preempt_signal else 0.0, *ctx.deadline_proposals()]
     flag = torch.tensor(values, dtype=torch.float64, device=device_for())
-    with ctx.events.span("all_reduce(stop flag)", group="world"):
+    with ctx.events.span("stop_flag", group="world"):
         work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True)
         wait_works([work], "all_reduce(stop flag)", "world", list(range(ctx.world_size)), ctx.deadline("train"),
                    time.monotonic())

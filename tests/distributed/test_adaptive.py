@@ -64,7 +64,10 @@ def test_a_stall_is_reported_within_factor_times_the_quantile_plus_a_second(tmp_
     assert report_t - stall_t <= deadline["seconds"] + 1.0, (report_t - stall_t, deadline)
     report = json.loads((run.run_dir / "hang_report.json").read_text())
     assert report["culprits"] == [1]
-    assert "the train deadline is" in report["detail"] and "max over ranks of clamp(20 × p99" in report["detail"]
+    # the deadline's derivation is in the events, and in the report of a rank whose watchdog saw it pass (a
+    # rank whose own collective timed out at the same deadline reports that timeout instead)
+    assert "max over ranks of clamp(20 × p99" in deadline["how"]
+    assert "deadline" in report["detail"], report["detail"]
 
 
 @pytest.mark.timeout(120)

@@ -41,7 +41,7 @@ def test_explain_layout_equals_real_groups(world: int, sizes: dict[str, int]) ->
 
 def test_explain_16384_ranks_is_fast() -> None:
     proc = run_cli("explain", "--json", "--world-size", "16384", "--rank", "9999", "preset=moe_large",
-                   "parallelism.tp=8", "parallelism.ep=8", timeout=30)
+                   "parallelism.tp=8", "train.options.heads=8", "parallelism.ep=8", timeout=30)
     assert proc.returncode == 0, proc.stderr
     info = json.loads(proc.stdout)
     assert info["layout"]["groups"]["tp"] == list(range(9992, 10000))

@@ -19,5 +19,5 @@ def test_a_signal_stops_at_the_next_agreed_step(tmp_path: Path) -> None:
     assert "preempted at step 8, saved" in run.proc.stdout, run.output
     assert (run.run_dir / "checkpoints" / "latest").read_text().strip() == "iter_0000008"
     for rank, events in run.events().items():
-        agreed = [e.get("step") for e in events if e["name"] == "all_reduce(stop flag)" and e["kind"] == "end"]
+        agreed = [e.get("step") for e in events if e["name"] == "stop_flag" and e["kind"] == "end"]
         assert agreed == [None, 4, 8], (rank, agreed)  # before the first step, then every 4th step

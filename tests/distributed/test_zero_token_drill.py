@@ -39,8 +39,10 @@ def _steps(run: Run, rank: int) -> dict[int, dict]:  # type: ignore[type-arg]
 def test_without_a_guard_the_job_deadlocks_and_the_watchdog_names_step_groups_and_ranks(tmp_path: Path) -> None:
     run = lifecycle_run(tmp_path, 8, *DRILL, "moe.zero_token.action=off", timeout=140)
     assert run.code == 3, run.output  # the job hangs at the skipped reduction: the watchdog names it, hang code
+    # Which rank writes hang_report.json depends on who leaves first (a rank that saw the divergence exits with
+    # the hang code at once, its peers then see it gone): the divergence itself is in the ranks' reports.
     report = (run.run_dir / "hang_report.json").read_text()
-    assert '"cause": "sequence"' in report and '"phase": "train"' in report
+    assert '"phase": "train"' in report and '"cause": "' in report
     out = run.output
     assert "COLLECTIVE SEQUENCE MISMATCH in phase train: ranks 1 and 3 wait for each other" in out, out
     assert "rank 3 is in grad_reduce on group intra_edp" in out and "rank 1 is in grad_reduce on group intra_dp" in out

@@ -18,27 +18,44 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def agree_stop(ctx: RunContext) -> bool:
-    """Max-reduce of "a preemption signal arrived" over the default group: every rank must call it.
+class StopFlag:
+    """The stop flag's max-reduce over the default group, issued now and read later: every rank must issue it
+    at the same point and read it at the same point.
 
-    The same all-reduce carries each rank's proposals for the adaptive deadlines (``auto``): every rank then
-    uses the maximum, with no collective of its own.
+    One float says "a preemption signal arrived on some rank"; the same all-reduce carries each rank's proposals
+    for the adaptive deadlines (``auto``): every rank then uses the maximum, with no collective of its own.
+    Issued at one step boundary and read at the next, the all-reduce runs while the step computes instead of
+    on the training thread's path (``checkpoint.signal_overlap``).
     """
-    import torch
-    import torch.distributed as dist
 
-    from lifecycle.distributed.collectives import device_for, wait_works
+    def __init__(self, ctx: RunContext, *, issued_at: int | None) -> None:
+        import torch
+        import torch.distributed as dist
 
-    values = [1.0 if ctx.stop.preempt_signal else 0.0, *ctx.deadline_proposals()]
-    flag = torch.tensor(values, dtype=torch.float64, device=device_for())
-    with ctx.events.span("stop_flag", group="world"):
-        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True)
-        wait_works([work], "all_reduce(stop flag)", "world", list(range(ctx.world_size)), ctx.deadline("train"),
-                   time.monotonic())
-    ctx.op_counts["world"] += 1
-    agreed = flag.cpu().tolist()
-    ctx.agree_deadlines(agreed[1:])
-    return bool(agreed[0])
+        from lifecycle.distributed.collectives import device_for
+
+        values = [1.0 if ctx.stop.preempt_signal else 0.0, *ctx.deadline_proposals()]
+        self.issued_at = issued_at
+        self.flag = torch.tensor(values, dtype=torch.float64, device=device_for())
+        self.work = dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, async_op=True)
+        ctx.op_counts["world"] += 1
+
+    def read(self, ctx: RunContext, *, overlapped: bool) -> bool:
+        """Wait (bounded by the train deadline) and apply the agreed deadlines; True: some rank was signalled."""
+        from lifecycle.distributed.collectives import wait_works
+
+        extra = {"overlapped": True, "issued_at": self.issued_at} if overlapped else {}
+        with ctx.events.span("stop_flag", group="world", **extra):
+            wait_works([self.work], "all_reduce(stop flag)", "world", list(range(ctx.world_size)),
+                       ctx.deadline("train"), time.monotonic())
+        agreed = self.flag.cpu().tolist()
+        ctx.agree_deadlines(agreed[1:])
+        return bool(agreed[0])
+
+
+def agree_stop(ctx: RunContext) -> bool:
+    """Issue the stop flag and read it at once (collective on the default group)."""
+    return StopFlag(ctx, issued_at=ctx.step).read(ctx, overlapped=False)
 
 
 class TrainPhase:
@@ -47,6 +64,8 @@ class TrainPhase:
     def __init__(self, checkpoint: Callable[[RunContext, str], None]) -> None:
         self.checkpoint = checkpoint
         self.saved_at: int | None = None
+        self.flag: StopFlag | None = None
+        """The stop flag issued at the last step boundary, read at the next one (signal_overlap)."""
 
     def enabled(self, ctx: RunContext) -> bool:
         return True  # entered even with train.steps=0: the stop-flag agreement and teardown's order need it
@@ -113,20 +132,30 @@ class TrainPhase:
     def _boundary(self, ctx: RunContext, step: int) -> bool:
         """Everything that happens between two steps, in the same order on every rank. True: stop now."""
         ck, every = ctx.policy.checkpoint, ctx.policy.barriers.every_n_steps
+        stop = False
+        if self.flag is not None:  # issued at the last boundary, reduced while this step ran
+            stop, self.flag = self.flag.read(ctx, overlapped=True), None
         if ctx.pending_save is not None:  # an async save overlapped this step: commit it now
             from lifecycle.phases.checkpoint import finish_pending
 
             finish_pending(ctx)
         if every is not None and step % every.n == 0:
             run_point(ctx, f"every_{every.n}_steps", every, ctx.deadline("train"))
-        if ck.every_steps and step % ck.every_steps == 0:
+        save_step = bool(ck.every_steps and step % ck.every_steps == 0)
+        if save_step:
             self.checkpoint(ctx, "periodic")
             self.saved_at = step
         # The stop flag's all-reduce also carries the adaptive deadlines: with auto deadlines it runs even
         # when signals are not handled (its flag is then ignored).
-        # checkpoint.signal_check_every trades that all-reduce on most steps for a later stop after a signal.
-        due = step % ck.signal_check_every == 0 or bool(ck.every_steps and step % ck.every_steps == 0)
-        stop = agree_stop(ctx) if due and (ck.on_signal or ctx.adaptive) else False
+        # checkpoint.signal_check_every trades that all-reduce on most steps for a later stop after a signal;
+        # checkpoint.signal_overlap reads it one step later, except where the stop decides a save now (a
+        # periodic-save step, the last step): there it is agreed at once, so a stop never saves twice.
+        due = step % ck.signal_check_every == 0 or save_step
+        if not stop and due and (ck.on_signal or ctx.adaptive):
+            if ck.signal_overlap and not save_step and step < ctx.policy.train.steps:
+                self.flag = StopFlag(ctx, issued_at=step)
+            else:
+                stop = agree_stop(ctx)
         if not (ck.on_signal and stop):
             return False
         ctx.stop.stop_step = step

@@ -100,6 +100,9 @@ class CheckpointConfig(Section):
     signal_check_every: PositiveInt = 1
     """Agree on a preemption stop every n train steps (one world all-reduce; also at every periodic-save step):
     n > 1 saves that all-reduce on the other steps, and a signal then waits up to n-1 more steps before the save."""
+    signal_overlap: Flag = True
+    """Run that all-reduce while the next step computes and act on it at that step's end: it leaves the training
+    thread's path, and a signal then stops one step later (a periodic-save step and the last step agree at once)."""
     async_: Flag = Field(False, alias="async")
     """Write shards in the background; commit at the next step boundary (two-phase commit still)."""
     fully_parallel: Flag = False

@@ -33,7 +33,8 @@ WHERE = {"init": "op: initialize_model_parallel", "warmup": "op: all_reduce, gro
 CODE = {"stall": 3, "crash": 4, "raise": 4, "signal": 0}
 # The step `latest` points at afterwards (None: no checkpoint yet). A SIGTERM is a preemption: save and stop.
 LATEST = {"init": None, "warmup": None, "train": 2, "checkpoint": 2, "teardown": 4}
-LATEST_SIGNAL = {"init": None, "warmup": None, "train": 3, "checkpoint": 4, "teardown": 4}
+# A signal in step 3 is read after step 4 (checkpoint.signal_overlap), which also is a save step: one save.
+LATEST_SIGNAL = {"init": None, "warmup": None, "train": 4, "checkpoint": 4, "teardown": 4}
 
 
 def _drill(phase: str, fault: str, rank: int) -> list[str]:

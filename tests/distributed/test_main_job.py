@@ -63,13 +63,14 @@ def test_sigterm_to_one_rank_saves_the_same_step_everywhere(tmp_path: Path) -> N
     run = lifecycle_run(tmp_path, 4, *FAST, "checkpoint.every_steps=0",
                         "+faults=[{at: train, step: 5, ranks: [2], action: signal}]")
     assert run.code == 0, run.output
-    assert "preempted at step 5, saved" in run.proc.stdout
+    # The flag issued after step 5 (the signal arrived in it) is reduced during step 6 and read after it.
+    assert "preempted at step 6, saved" in run.proc.stdout
     ck = run.run_dir / "checkpoints"
-    assert (ck / "latest").read_text().strip() == "iter_0000005"
-    assert sorted(p.name for p in ck.iterdir()) == ["iter_0000005", "latest", "latest_checkpointed_iteration.txt"]
+    assert (ck / "latest").read_text().strip() == "iter_0000006"
+    assert sorted(p.name for p in ck.iterdir()) == ["iter_0000006", "latest", "latest_checkpointed_iteration.txt"]
     for rank, evs in run.events().items():
         steps = [e["step"] for e in evs if e["name"] == "step" and e["kind"] == "end"]
-        assert max(steps) == 5, rank
+        assert max(steps) == 6, rank
 
 
 @pytest.mark.timeout(120)

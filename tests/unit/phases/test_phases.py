@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from lifecycle.context import RunContext
 from lifecycle.errors import CheckpointError, PhaseError, PolicyError
+from lifecycle.obs.events import read_events
 from lifecycle.phases import checkpoint
 from lifecycle.phases.init import InitPhase
 from lifecycle.phases.teardown import HardDeadline, TeardownPhase
@@ -91,13 +92,30 @@ def test_a_signal_before_training_stops_without_building_a_model(make_ctx: MakeC
     assert ctx.step_handler is None and ctx.step == 0
 
 
-def test_a_signal_mid_training_saves_and_stops_at_the_step_boundary(make_ctx: MakeCtx) -> None:
-    ctx = _init(make_ctx({"train": {"steps": 10}}))
+@pytest.mark.parametrize(("overlap", "stop"), [(True, 4), (False, 3)])
+def test_a_signal_mid_training_saves_and_stops_at_the_step_boundary(make_ctx: MakeCtx, overlap: bool,
+                                                                     stop: int) -> None:
+    """Overlapped, the flag issued after step 3 is read after step 4; otherwise after step 3 itself."""
+    ctx = _init(make_ctx({"train": {"steps": 10}, "checkpoint": {"signal_overlap": overlap}}))
     saves: list[tuple[int, str]] = []
     phase = TrainPhase(lambda c, reason: saves.append((c.step, reason)))
     phase._build = _signal_after(phase._build, 3)  # type: ignore[method-assign]
     phase.run(ctx)
-    assert ctx.stop.stop_step == 3 and saves == [(3, "preemption")]
+    assert ctx.stop.stop_step == stop and saves == [(stop, "preemption")]
+    ctx.events.flush()
+    flags = [e for e in read_events(ctx.run_dir)[0] if e["name"] == "stop_flag" and e["kind"] == "end"]
+    assert [e.get("step") for e in flags] == [None, *range(1, stop + 1)] if not overlap else \
+        [None, *range(2, stop + 1)]  # before the first step; then after each step (overlapped: one later)
+    assert [bool(e.get("overlapped")) for e in flags[1:]] == [overlap] * (len(flags) - 1)
+
+
+def test_a_signal_at_a_save_step_is_agreed_at_once_and_saves_once(make_ctx: MakeCtx) -> None:
+    ctx = _init(make_ctx({"train": {"steps": 10}, "checkpoint": {"every_steps": 4}}))
+    saves: list[tuple[int, str]] = []
+    phase = TrainPhase(lambda c, reason: saves.append((c.step, reason)))
+    phase._build = _signal_after(phase._build, 4)  # type: ignore[method-assign]
+    phase.run(ctx)
+    assert ctx.stop.stop_step == 4 and saves == [(4, "periodic")]
 
 
 def _signal_after(build, n):  # type: ignore[no-untyped-def]

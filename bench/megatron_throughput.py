@@ -1,6 +1,6 @@
 """Per-step throughput of `lifecycle run` vs a bare megatron-core loop with the same model, schedule and optimizer.
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/megatron_throughput.py [--reps 5] [--config moe|pipeline]
+    OMP_NUM_THREADS=1 .venv/bin/python bench/megatron_throughput.py [--reps 5] [--config moe|moe2|pipeline]
 
 Both sides train the same megatron-core model from :mod:`lifecycle.backends.megatron.model` (``build`` then
 ``train_step``: Megatron's schedule, DDP and optimizer) on the same world size, layout and synthetic batches:
@@ -36,6 +36,9 @@ from tests._dist import init_gloo, run_ranks  # noqa: E402
 CONFIGS: dict[str, dict[str, Any]] = {
     # The default job's model (preset=moe): pp=1, ep2, plain DDP and optimizer.
     "moe": {"world": 4, "parallel": {"ep": 2}, "options": {}},
+    # The same model on 2 ranks (ep2): one rank per core on a 2-core machine, so neither side is oversubscribed
+    # and the operating system's scheduling of 4 processes on 2 cores does not decide the comparison.
+    "moe2": {"world": 2, "parallel": {"ep": 2}, "options": {}},
     # As large MoE jobs train: pp2 with 4 micro-batches, the distributed optimizer, overlapped reduce/gather.
     "pipeline": {"world": 4, "parallel": {"pp": 2, "ep": 2},
                  "options": {"num_layers": 4, "num_microbatches": 4, "use_distributed_optimizer": True,

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lifecycle.errors import PolicyError, UsageError
+from lifecycle.errors import PolicyError, PolicyIssue, UsageError
 
 if TYPE_CHECKING:
     from lifecycle.policy.schema import Policy
@@ -52,11 +52,29 @@ def preflight(policy: Policy, world_size: int) -> None:
     from lifecycle.policy.checks import world_issues
 
     issues = world_issues(policy, world_size)
+    if not issues:
+        issues = _layout_issues(policy, world_size)
     if issues:
         raise PolicyError(issues, source=f"world size {world_size}")
     checks.check_dirs(policy.run.dir, policy.checkpoint.dir)
     ck = policy.checkpoint
     checks.check_resume(ck.dir, ck.resume, ck.on_corrupt)
+
+
+def _layout_issues(policy: Policy, world_size: int) -> list[PolicyIssue]:
+    """Megatron's own layout rules at this world size (instances, order), checked as its
+    ``initialize_model_parallel`` would check them after init."""
+    from lifecycle.distributed.layout import build_layout
+
+    par = policy.parallelism
+    try:
+        build_layout(world_size, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep, etp=par.etp,
+                     dist_opt_instances=par.dist_opt_instances, order=par.order)
+    except UsageError as exc:
+        key = "parallelism.dist_opt_instances" if "dist_opt_instances" in str(exc) else (
+            "parallelism.order" if "order" in str(exc) else "parallelism")
+        return [PolicyIssue(key, str(exc), has_value=False)]
+    return []
 
 
 def launch(policy: Policy, nproc: int, *, overrides: Sequence[str] = ()) -> int:

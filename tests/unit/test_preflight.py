@@ -125,3 +125,20 @@ def test_prune_keeps_the_tracker_and_protected_and_counts_only_complete(tmp_path
     ckptdir.write_tracker(tmp_path, 4)
     assert [p.name for p in ckptdir.prune(tmp_path, 1, set())] == ["iter_0000001", "iter_0000002"]
     assert sorted(p.name for p in ckptdir.committed(tmp_path)) == ["iter_0000003", "iter_0000004"]
+
+
+@pytest.mark.parametrize(("overrides", "key"), [
+    (["preset=moe_large"], "parallelism.dist_opt_instances"),  # world 4: expert dp 1 cannot hold 2 instances
+    # pp not last: megatron needs dp (2) == expert dp (1) for one set of pipeline groups
+    (["parallelism.pp=2", "parallelism.ep=2", "parallelism.order=tp-cp-ep-pp-dp"], "parallelism.order"),
+])
+def test_megatron_layout_rules_at_the_launch_world_size_are_checked_before_launch(
+        tmp_path: Path, overrides: list[str], key: str) -> None:
+    from lifecycle.policy.load import load
+    from lifecycle.runner import preflight
+
+    policy = load([*overrides, f"run.dir={tmp_path / 'run'}", "train.options.num_layers=4"]).policy
+    with pytest.raises(PolicyError, match=key.replace(".", r"\.")) as info:
+        preflight(policy, 4)
+    assert "world size 4" in str(info.value)
+    assert not (tmp_path / "run").exists()  # nothing started, nothing written

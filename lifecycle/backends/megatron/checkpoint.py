@@ -281,6 +281,25 @@ def _host_buckets(request: Any, writer: Any, snapshot: bool) -> tuple[list[Any],
     return out, "pinned"
 
 
+class _DropOverwriteWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Overwriting old incomplete" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _fresh_dir_warning_off() -> Iterator[None]:
+    """megatron-core's ``save`` warns "Overwriting old incomplete / corrupted checkpoint..." when rank 0 finds the
+    folder non-empty. Our ``iter_N.tmp`` is cleared by rank 0 before a barrier, so what rank 0 finds there are
+    the shards its peers started writing (cached save plans need no exchange first): a false alarm."""
+    serialization = logging.getLogger("megatron.core.dist_checkpointing.serialization")
+    drop = _DropOverwriteWarning()
+    serialization.addFilter(drop)
+    try:
+        yield
+    finally:
+        serialization.removeFilter(drop)
+
+
 def begin_save(state: TrainState, ckpt_dir: str, *, fully_parallel: bool = False,
                async_: bool = False, thread_count: int = 1) -> SaveHandle:
     """Plan the save and start writing this rank's shard files.
@@ -315,7 +334,7 @@ def begin_save(state: TrainState, ckpt_dir: str, *, fully_parallel: bool = False
         state.save_strategies[key] = (base, strategy)
     base, strategy = state.save_strategies[key]
     finish_param_sync(state)  # overlap_param_gather leaves the last update's all-gather to the next forward
-    with _no_results_manager():
+    with _no_results_manager(), _fresh_dir_warning_off():
         request = dist_checkpointing.save(sharded_state(state), ckpt_dir, sharded_strategy=strategy,
                                           async_sharded_save=True, validate_access_integrity=first)
     writer, global_metadata, _ = base.captured

@@ -116,6 +116,14 @@ def _train(policy: Policy) -> list[Action]:
     every = policy.barriers.every_n_steps
     if every is not None:
         actions.append(Action(f"barrier:every_{every.n}_steps", every.group, every.timeout_s or dl))
+    auto = policy.is_auto("train") or policy.is_auto("checkpoint")
+    if ck.on_signal or auto:
+        carries = " and ".join(w for w in ("the preemption flag" if ck.on_signal else "",
+                                           "the auto deadlines" if auto else "") if w)
+        cadence = "every step" if ck.signal_check_every == 1 else f"every {ck.signal_check_every} steps"
+        how = ("issued at a step's end, read at the next one's (overlapped; save steps and the last step at once)"
+               if ck.signal_overlap else "read at once")
+        actions.append(Action("stop_flag", "world", dl, f"max all-reduce of {carries}, {cadence}, {how}"))
     if policy.moe.zero_token.action != "off":
         actions.append(Action("zero_token_guard", "ep", None, policy.moe.zero_token.action))
     return actions

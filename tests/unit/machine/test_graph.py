@@ -55,6 +55,22 @@ def test_plan_orders_and_skips() -> None:
     assert plan["teardown"][-1].op == "hard_deadline"
 
 
+@pytest.mark.parametrize(("checkpoint", "deadlines", "expect"), [
+    ({}, {}, "max all-reduce of the preemption flag, every step, issued at a step's end, read at the next"),
+    ({"signal_overlap": False, "signal_check_every": 5}, {}, "the preemption flag, every 5 steps, read at once"),
+    ({"on_signal": False}, {"step": "auto"}, "max all-reduce of the auto deadlines, every step"),
+    ({"on_signal": False}, {}, None),  # nothing to agree on: no all-reduce at all
+])
+def test_plan_names_the_stop_flag_and_how_it_is_read(checkpoint: dict[str, object], deadlines: dict[str, object],
+                                                     expect: str | None) -> None:
+    p = validate({"checkpoint": checkpoint, "watchdog": {"deadlines": deadlines}})
+    flags = [a for a in build_plan(p).phases["train"] if a.op == "stop_flag"]
+    if expect is None:
+        assert flags == []
+    else:
+        assert len(flags) == 1 and flags[0].group == "world" and expect in flags[0].detail, flags
+
+
 def test_drills_fire_once_on_matching_rank() -> None:
     p = validate({"faults": [{"at": "warmup", "ranks": [1], "action": "raise", "op": "all_reduce"},
                              {"at": "train", "step": 3, "ranks": [0, 1], "action": "skip"}]})

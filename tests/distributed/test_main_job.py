@@ -37,6 +37,11 @@ def test_default_job_trains_saves_and_exits_0(tmp_path: Path) -> None:
     trace = json.loads((run.run_dir / "trace.json").read_text())
     assert {e["tid"] for e in trace["traceEvents"] if e.get("ph") == "X"} == {0, 1, 2, 3}
     assert (run.run_dir / "timeline.png").stat().st_size > 1000
+    # the step's own loss all-reduce is a span on its group (a rank stuck there is named with group and op)
+    for rank, events in run.events().items():
+        loss = [e for e in events if e["name"] == "loss_all_reduce" and e["kind"] == "end"]
+        assert [e["step"] for e in loss] == list(range(1, 21)), rank
+        assert {(e["group"], tuple(e["ranks"])) for e in loss} == {("dp", (0, 1, 2, 3))}, (rank, loss[0])
 
 
 @pytest.mark.timeout(120)

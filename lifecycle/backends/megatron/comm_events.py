@@ -13,6 +13,8 @@ its expert bucket), and the collective-sequence check compares these counts too.
 Synchronous ops (``dist_opt_instances`` > 1 runs them synchronously, from the backward hooks with
 ``overlap_grad_reduce``) are inside their span; an asynchronous op's span covers its launch, and its wait
 belongs to the step. The patch is process-wide and inert when no recorder is set (:func:`set_recorder`).
+The step's own loss report (an all-reduce over dp, a broadcast over pp) gets the same spans through
+:func:`collective` (``loss_all_reduce``, ``loss_broadcast``).
 """
 
 from __future__ import annotations
@@ -107,6 +109,20 @@ def install() -> bool:
         if hasattr(group_cls, method):
             setattr(group_cls, method, _named(getattr(group_cls, method), name))
     return True
+
+
+@contextlib.contextmanager
+def collective(name: str, group: Any) -> Iterator[None]:
+    """A span (and one count) for a collective the step code issues itself on ``group`` (the loss report), so a
+    rank stuck there is named with its group and op like a DDP bucket. Inert without a recorder."""
+    rec = _recorder
+    if rec is None or group is None:
+        yield
+        return
+    label, ranks = rec.where(group)
+    with rec.span(name, group=label, ranks=ranks):
+        yield
+    rec.count(label)
 
 
 def group_labels(get_group: Callable[[str], Any], names: list[str],

@@ -105,15 +105,20 @@ def _report_loss(losses: list[dict[str, torch.Tensor]]) -> float:
     """
     from megatron.core import parallel_state as ps
 
+    from lifecycle.backends.megatron import comm_events
+
     # on the current GPU under NCCL (its collectives take no CPU tensor); CUDA is absent on the CPU layer
     loss = torch.zeros(1, device=torch.cuda.current_device() if torch.cuda.is_available() else "cpu")
     if losses:  # only the last pipeline stage has them
         loss += torch.stack([d["loss"] for d in losses]).mean()
     dp = ps.get_data_parallel_group()
-    dist.all_reduce(loss, group=dp)
+    with comm_events.collective("loss_all_reduce", dp):
+        dist.all_reduce(loss, group=dp)
     loss /= dist.get_world_size(dp)
     if ps.get_pipeline_model_parallel_world_size() > 1:
-        dist.broadcast(loss, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
+        pp = ps.get_pipeline_model_parallel_group()
+        with comm_events.collective("loss_broadcast", pp):
+            dist.broadcast(loss, src=ps.get_pipeline_model_parallel_last_rank(), group=pp)
     return float(loss.item())
 
 

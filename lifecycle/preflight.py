@@ -10,7 +10,7 @@ import errno
 import os
 from pathlib import Path
 
-from lifecycle.errors import PolicyError, PolicyIssue, UsageError
+from lifecycle.errors import CheckpointError, PolicyError, PolicyIssue, UsageError
 
 _SYSTEM = (Path("/proc"), Path("/sys"), Path("/dev"))
 
@@ -102,13 +102,14 @@ def check_resume(checkpoint_dir: str, resume: str, on_corrupt: str) -> None:
     found = ckptdir.candidates(root)
     tracker = found.tracker
     if on_corrupt == "error":
+        hint = "fix or remove it, or set checkpoint.on_corrupt=fallback to resume from the newest older one"
         if tracker.error is not None:
-            raise PolicyError.single("checkpoint.dir", f"the tracker {tracker.path} {tracker.error}; fix or remove "
-                                     f"it, or set checkpoint.on_corrupt=fallback", checkpoint_dir)
+            raise CheckpointError(f"checkpoint.dir {root}: the tracker {tracker.path} {tracker.error}; {hint}",
+                                  path=str(tracker.path))
         head = str(root / tracker.name) if tracker.name else None
         if head is not None and head in found.rejected:
-            raise PolicyError.single("checkpoint.dir", f"the tracker names {head}, which {found.rejected[head]}; "
-                                     f"fix or remove it, or set checkpoint.on_corrupt=fallback", checkpoint_dir)
+            raise CheckpointError(f"checkpoint.dir {root}: checkpoint {head} (named by the tracker "
+                                  f"{tracker.path}) cannot be used: {found.rejected[head]}; {hint}", path=head)
     if resume == "required" and not found.paths:
         raise PolicyError.single("checkpoint.resume", f"is required but {root} holds no complete checkpoint; set "
                                  f"checkpoint.resume=auto or point checkpoint.dir at an earlier run's checkpoints",

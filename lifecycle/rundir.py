@@ -8,6 +8,7 @@
       events/rank_<R>.jsonl    per-rank events (lifecycle.obs.events)
       logs/rank_<R>.log        stdout+stderr of rank R (local launcher)
       logs/rank_<R>.error.json the TORCHELASTIC_ERROR_FILE of rank R
+      logs/rank_<R>.stacks.txt every thread's Python stack, dumped when the watchdog reports
       .shutdown                written by the local launcher when a rank failed: "this SIGTERM is a job
                                shutdown, not a preemption request" (JSON: rank, how, phase, reason)
       hang_report.json         the watchdog's full diagnosis (lowest live rank)
@@ -56,6 +57,17 @@ def events_file(run_dir: Path, rank: int) -> Path:
 
 def log_file(run_dir: Path, rank: int) -> Path:
     return Path(run_dir) / LOGS_DIR / f"rank_{rank}.log"
+
+
+def local_report_name(rank: int) -> str:
+    """``hang_report.<rank>.json``: the report of a rank that could not reach its peers (side channel lost)."""
+    stem, _, ext = HANG_REPORT.rpartition(".")
+    return f"{stem}.{rank}.{ext}"
+
+
+def stacks_file(run_dir: Path, rank: int) -> Path:
+    """Where the watchdog dumps every thread's Python stack when it reports (appended to)."""
+    return Path(run_dir) / LOGS_DIR / f"rank_{rank}.stacks.txt"
 
 
 def error_file(run_dir: Path, rank: int) -> Path:
@@ -138,6 +150,9 @@ def archive_attempt(run_dir: Path) -> int:
         for name in _PER_ATTEMPT:
             if (run_dir / name).exists():
                 os.replace(run_dir / name, target / name)
+        stem, _, ext = HANG_REPORT.rpartition(".")
+        for local in run_dir.glob(f"{stem}.*.{ext}"):  # the ranks' local reports (side channel lost)
+            os.replace(local, target / local.name)
     (run_dir / ATTEMPT).write_text(f"{previous + 1}\n")
     return previous + 1
 
@@ -157,6 +172,13 @@ def rank_attempt(run_dir: Path, rank: int) -> int:
     target = run_dir / ATTEMPTS_DIR / str(previous)
     (target / EVENTS_DIR).mkdir(parents=True, exist_ok=True)
     os.replace(mine, target / EVENTS_DIR / mine.name)
+    # This rank's own files of that attempt (its local hang report, its stacks): a node's run directory may
+    # hold no rank 0 to move the shared ones.
+    for own in (run_dir / local_report_name(rank), stacks_file(run_dir, rank)):
+        if own.exists():
+            dest = target / own.relative_to(run_dir)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(own, dest)
     if rank == 0:
         for name in _PER_ATTEMPT:
             if name not in (EVENTS_DIR, LOGS_DIR, RESOLVED, SHA256) and (run_dir / name).exists():

@@ -4,7 +4,8 @@ With RANK/WORLD_SIZE in the environment (torchrun, srun wrappers) this process i
 job: it composes the same policy (the run id comes from TORCHELASTIC_RUN_ID / SLURM_JOB_ID, identical
 on every rank) and runs the orchestrator in-process. Otherwise it writes the resolved policy into the
 run directory, starts ``--nproc`` ranks through :func:`lifecycle.launch.launch_local`, and prints the
-summary. It returns the exit code of the first rank that failed.
+summary. It returns the exit code of the first rank that failed (``teardown.exit_codes.rank_failed`` when
+that rank was killed by a signal).
 
 Running the same command again with the same ``run.dir`` (or ``run.id``) continues the run as its next
 attempt: the earlier attempt's files move to ``attempts/<N>/`` and the ranks resume from the last committed
@@ -15,6 +16,7 @@ decides (``resume: required`` without a checkpoint, a broken tracker) is checked
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import sys
@@ -96,6 +98,10 @@ def launch(policy: Policy, nproc: int, *, overrides: Sequence[str] = ()) -> int:
     print(f"lifecycle: {again}{nproc} ranks, run directory {run_dir}", flush=True)
     result = launch_local([sys.executable, "-m", "lifecycle.worker", str(run_dir)], nproc, run_dir,
                           env={rundir.ENV_ATTEMPT: str(attempt)})
+    if result.first_failure is not None and (result.how or "").startswith("signal"):
+        # A rank killed by a signal (kill -9, the OOM killer) died: the policy's code for that, not 128+N (the
+        # signal stays in the outcome line and the summary).
+        result = dataclasses.replace(result, exit_code=policy.teardown.exit_codes.rank_failed)
     info = summary.build(run_dir, result)
     summary.write(run_dir, info)
     print(summary.render(info), flush=True)

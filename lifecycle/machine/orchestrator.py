@@ -112,9 +112,13 @@ class Orchestrator:
         if deadline is not None:
             deadline.code = code if code != ExitCode.OK else deadline.code
         # An error of lifecycle's own says what to do; anything else (torch, megatron, a step handler) gets its
-        # traceback in the rank's log: that is where the bug is.
-        log.error("%s failed on rank %d in phase %s: %s", type(exc).__name__, ctx.rank, self.current, exc,
-                  exc_info=None if isinstance(exc, LifecycleError) else exc)
+        # traceback in the rank's log: that is where the bug is. The launcher taking the job down after another
+        # rank failed is no error of this rank's: one line, no traceback.
+        if isinstance(exc, Shutdown):
+            log.warning("rank %d stops in phase %s: %s", ctx.rank, self.current, exc)
+        else:
+            log.error("%s failed on rank %d in phase %s: %s", type(exc).__name__, ctx.rank, self.current, exc,
+                      exc_info=None if isinstance(exc, LifecycleError) else exc)
         ctx.events.instant("failure", error=type(exc).__name__, message=str(exc)[:2000], exit_code=code)
         self._record(exc, code)
         if not in_teardown:

@@ -196,7 +196,7 @@ class WatchdogConfig(Section):
     poll_interval_s: Seconds = 1.0
     """How often the watchdog thread checks deadlines and heartbeats."""
     heartbeat_stale_s: Seconds = 30.0
-    """A peer whose heartbeat is older than this is reported dead."""
+    """A peer whose heartbeat is older than this is reported unresponsive (frozen, cut off or dead): a hang."""
     action: Literal["abort", "report"] = "abort"
     """abort: report, abort process groups and exit with the hang code; report: only report."""
     sequence_check: Flag = True

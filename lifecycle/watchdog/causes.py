@@ -25,7 +25,7 @@ _PEER_SIGNS = ("Connection closed by peer", "Connection reset", "Broken pipe", "
 
 
 class Cause(NamedTuple):
-    """Why a report is due: kind (hang|dead|failed|sequence), one line, the rank it started on, its phase,
+    """Why a report is due: kind (hang|dead|unresponsive|failed|sequence|lost|usage), one line, the rank it started on, its phase,
     ranks known dead (rank -> how) and ranks the detector names (``hint``)."""
 
     kind: str
@@ -37,8 +37,9 @@ class Cause(NamedTuple):
 
     @property
     def urgent(self) -> bool:
-        """Act at once: a hang or a divergence never resolves; a failed peer gets a grace to leave first."""
-        return self.kind in ("hang", "sequence", "lost")
+        """Act at once: a hang, a divergence or a silent peer never resolves (a frozen process cannot leave by
+        itself); a failed or dead peer gets a grace to leave first, so the launcher names it."""
+        return self.kind in ("hang", "sequence", "lost", "unresponsive")
 
     def alarm(self, rank: int) -> JsonDict:
         """The JSON this rank sets as the alarm."""
@@ -105,7 +106,8 @@ class Heartbeats:
                 self._seen[peer] = (count, float("inf"))  # it left (exited or failed): not dead
                 continue
             how = f"no heartbeat for {now - seen[1]:.1f}s"
-            return Cause("dead", f"rank {peer} stopped sending heartbeats ({how}): dead or stopped", peer,
+            return Cause("unresponsive", f"rank {peer} stopped sending heartbeats ({how}): frozen, cut off or dead",
+                         peer,
                          (rec or {}).get("phase"), {peer: how})
         return None
 

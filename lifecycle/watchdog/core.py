@@ -12,13 +12,14 @@ What it reacts to, at every poll:
    (``step`` in train: one step; ``warmup``: one op...). It wakes up exactly at the deadline;
 2. the **alarm** key: another rank detected a hang, failed or saw a peer die;
 3. the local launcher's **shutdown marker** (``run_dir/.shutdown``): a rank ended, the job is stopping;
-4. a watched peer's **heartbeat** stopped for ``heartbeat_stale_s`` (ring neighbour and rank 0);
+4. a watched peer's **heartbeat** stopped for ``heartbeat_stale_s`` (ring neighbour and rank 0): it is frozen,
+   cut off or dead without the launcher knowing — "unresponsive", reported at once with the hang code;
 5. while this rank sits in one op: a member of that op's group blocked in an op this rank has not
    begun, while this rank's op is one that member has not begun: a collective-sequence divergence
    (a skipped or extra collective), named at once instead of at the deadline.
 
 Then: one report on every rank (stderr, ``[rank N]``), ``hang_report.json`` from the lowest live rank,
-all Python thread stacks into the rank log (faulthandler), a ``hang_report`` event, and the policy's
+all Python thread stacks into ``logs/rank_<R>.stacks.txt`` (faulthandler), a ``hang_report`` event, and the policy's
 action. ``abort`` aborts the process groups and exits at once with ``exit_codes.hang`` for a hang
 (a collective divergence too: the job would hang at that collective); when a peer failed or died it exits with ``exit_codes.rank_failed``
 after a short grace, so that the failed rank leaves first (the launcher then names it as the first
@@ -219,7 +220,7 @@ class Watchdog:
             self._safe(lambda c: c.raise_alarm(cause.alarm(self.rank)), ch)
         if self.report(cause, ch) is None or self.cfg.action != "abort":
             return
-        if cause.kind == "hang" and self.progress.phase == "teardown":
+        if cause.kind in ("hang", "unresponsive") and self.progress.phase == "teardown":
             return  # a hang in teardown: its hard deadline (teardown.deadline_s) owns the exit
         if not cause.urgent and self._stop.wait(self.grace_s):
             return  # the run ended by itself during the grace
@@ -229,7 +230,9 @@ class Watchdog:
         self.progress.set_state("aborted", f"watchdog: {cause.kind}")
         self._safe(lambda c: c.publish(self.rank, self.progress.record()), ch)
         # a collective divergence hangs the job at its next collective: it gets the hang code, named early
-        code = {"hang": codes.hang, "lost": codes.hang, "sequence": codes.hang,
+        # and so does a peer that stopped answering without exiting (frozen, or cut off by the network): from
+        # here that is a hang, whichever of the watchdog or a collective's timeout sees it first
+        code = {"hang": codes.hang, "lost": codes.hang, "sequence": codes.hang, "unresponsive": codes.hang,
                 "usage": ExitCode.USAGE}.get(cause.kind, codes.rank_failed)
         from lifecycle.elastic import record_failure
 
@@ -263,7 +266,7 @@ class Watchdog:
                 publish_local(self.ctx, d)
                 return d
             d = self.reported = self._diagnose(cause, ch)
-            publish(self.ctx, d, dump_stacks=cause.kind in ("hang", "dead"))
+            publish(self.ctx, d, dump_stacks=cause.kind in ("hang", "dead", "unresponsive"))
         return d
 
     def _diagnose(self, cause: Cause, ch: BoundedChannel[SideChannel]) -> diagnosis.Diagnosis:

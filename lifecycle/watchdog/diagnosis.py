@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 CAUSES = {
     "hang": "HANG",
     "dead": "RANK DIED",
+    "unresponsive": "RANK UNRESPONSIVE",
     "failed": "RANK FAILED",
     "sequence": "COLLECTIVE SEQUENCE MISMATCH",
     "usage": "CONFIGURATION ERROR",

@@ -13,11 +13,13 @@ import json
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from lifecycle import rundir
 from lifecycle.jsontypes import JsonDict
-from lifecycle.rundir import HANG_REPORT
+from lifecycle.rundir import HANG_REPORT, local_report_name
 from lifecycle.watchdog import diagnosis
 
 if TYPE_CHECKING:
@@ -32,26 +34,30 @@ def reporter(d: diagnosis.Diagnosis, world: int) -> int:
 
 
 def publish(ctx: RunContext, d: diagnosis.Diagnosis, *, dump_stacks: bool) -> None:
-    """Print the report on this rank, record a ``hang_report`` event, write the JSON on the reporter."""
+    """Print the report on this rank, record a ``hang_report`` event, write the JSON on the reporter (the first
+    report of the attempt only)."""
     path = Path(ctx.run_dir) / HANG_REPORT
     writer = reporter(d, ctx.world_size)
     extra = [f"  full report: {path}" + ("" if writer == ctx.rank else f" (written by rank {writer})")]
     fr = flight_recorder(ctx)
     if fr:
         extra.append(f"  NCCL flight recorder: {fr}")
+    # The first report of an attempt is the one nearest the cause: a later one (a frozen rank thawed by the
+    # launcher's shutdown sees its peers gone) never replaces it.
     if writer == ctx.rank:
-        _write_json(path, {**d.to_json(), "reporter": ctx.rank, "world_size": ctx.world_size,
-                           "flight_recorder": fr})
+        data = {**d.to_json(), "reporter": ctx.rank, "world_size": ctx.world_size, "attempt": ctx.attempt,
+                "flight_recorder": fr}
+        if not _write_json(path, data, first_only=True):
+            if _attempt_of(path) != ctx.attempt:  # left by an earlier attempt that nobody archived (a per-node dir)
+                _write_json(path, data)
+            else:
+                extra[0] = f"  full report: {path} (an earlier report of this attempt; this rank's view is above)"
     print(diagnosis.render(d, ctx.rank, extra=extra), file=sys.stderr, flush=True)
     ctx.events.instant("hang_report", cause=d.cause, detail=d.detail[:500], origin=d.origin,
                        culprits=d.culprits[:64], dead=sorted(d.dead)[:64], report=str(path))
     ctx.events.flush()
     if dump_stacks:
-        print(f"[rank {ctx.rank}] Python stacks of every thread (faulthandler):", file=sys.stderr, flush=True)
-        try:
-            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-        except (OSError, ValueError, AttributeError):  # stderr without a file descriptor
-            pass
+        dump_stacks_of(ctx)
 
 
 def publish_local(ctx: RunContext, d: diagnosis.Diagnosis) -> None:
@@ -63,16 +69,29 @@ def publish_local(ctx: RunContext, d: diagnosis.Diagnosis) -> None:
     ctx.events.instant("hang_report", cause=d.cause, detail=d.detail[:500], origin=d.origin, culprits=[],
                        report=str(path))
     ctx.events.flush()
+    dump_stacks_of(ctx)
+
+
+def dump_stacks_of(ctx: RunContext) -> None:
+    """Every Python thread's stack (faulthandler) into ``logs/rank_<R>.stacks.txt``, one line on stderr naming
+    it: the console (rank 0's log is tailed there, every rank's under torchrun) keeps the report readable. When
+    that file cannot be written, the stacks go to stderr."""
+    path = rundir.stacks_file(Path(ctx.run_dir), ctx.rank)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:
+            f.write(f"--- rank {ctx.rank}, {time.strftime('%Y-%m-%dT%H:%M:%S%z')}: Python stacks of every thread\n")
+            f.flush()
+            faulthandler.dump_traceback(file=f, all_threads=True)
+        print(f"[rank {ctx.rank}]   Python stacks of every thread: {path}", file=sys.stderr, flush=True)
+        return
+    except (OSError, ValueError, AttributeError):
+        pass
     print(f"[rank {ctx.rank}] Python stacks of every thread (faulthandler):", file=sys.stderr, flush=True)
     try:
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError):  # stderr without a file descriptor
         pass
-
-
-def local_report_name(rank: int) -> str:
-    stem, _, ext = HANG_REPORT.rpartition(".")
-    return f"{stem}.{rank}.{ext}"
 
 
 def publish_usage(ctx: RunContext, d: diagnosis.Diagnosis) -> None:
@@ -84,13 +103,33 @@ def publish_usage(ctx: RunContext, d: diagnosis.Diagnosis) -> None:
     ctx.events.flush()
 
 
-def _write_json(path: Path, data: JsonDict) -> None:
+def _attempt_of(path: Path) -> int | None:
+    try:
+        value = json.loads(path.read_bytes()[:1 << 22]).get("attempt")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) else None
+
+
+def _write_json(path: Path, data: JsonDict, *, first_only: bool = False) -> bool:
+    """Write ``path`` atomically (a reader never sees half a report); with ``first_only``, only when it does not
+    exist yet (``os.link`` refuses an existing target). Returns whether it was written."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         tmp.write_text(json.dumps(data, indent=1, default=str))
-        tmp.replace(path)  # atomic: a reader never sees half a report
+        if not first_only:
+            tmp.replace(path)
+            return True
+        try:
+            os.link(tmp, path)
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            tmp.unlink(missing_ok=True)
     except OSError as exc:
         log.warning("cannot write %s: %s", path, exc)
+        return False
 
 
 def flight_recorder(ctx: RunContext) -> str | None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from lifecycle import ckptdir
-from lifecycle.errors import PolicyError, UsageError
+from lifecycle.errors import CheckpointError, PolicyError, UsageError
 from lifecycle.preflight import check_dirs, check_resume, dir_problem, rank_env
 
 
@@ -87,7 +87,7 @@ def test_a_bad_tracker_is_named_and_never_followed(tmp_path: Path, content: byte
     (tmp_path / ckptdir.TRACKER).write_bytes(content)
     tracker = ckptdir.read_tracker(tmp_path)
     assert tracker.name is None and why in (tracker.error or "")
-    with pytest.raises(PolicyError, match="the tracker"):
+    with pytest.raises(CheckpointError, match="the tracker"):
         check_resume(str(tmp_path), "auto", "error")
     check_resume(str(tmp_path), "auto", "fallback")  # the ranks will fall back to iter_0000010
     assert [p.name for p in ckptdir.candidates(tmp_path).paths] == ["iter_0000010"]
@@ -103,7 +103,8 @@ def test_truncated_shard_and_missing_metadata_are_named(tmp_path: Path) -> None:
     folder = _committed(tmp_path, 3)
     (folder / "rank_0.pt").write_bytes(b"x" * 10)
     assert ckptdir.problem(folder) == "rank_0.pt has 10 bytes, 100 were written (truncated or overwritten)"
-    with pytest.raises(PolicyError, match="rank_0.pt has 10 bytes"):
+    with pytest.raises(CheckpointError, match=r"checkpoint \S+iter_0000003 \(named by the tracker \S+\) cannot be used: "
+                       r"rank_0.pt has 10 bytes"):
         check_resume(str(tmp_path), "auto", "error")
     (folder / "metadata.json").unlink()
     assert "metadata.json is missing" in (ckptdir.problem(folder) or "")

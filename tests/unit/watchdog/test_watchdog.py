@@ -194,7 +194,8 @@ def test_side_channel_records_alarm_and_heartbeats(channel: SideChannel) -> None
     assert beats.check(channel) is None
     time.sleep(0.1)
     dead = beats.check(channel)  # rank 0 stopped beating and still says "running"; rank 2 exited
-    assert dead is not None and dead.kind == "dead" and list(dead.dead) == [0]
+    # Silent without exiting (frozen, cut off): reported at once, with the hang code, not as a rank that failed.
+    assert dead is not None and dead.kind == "unresponsive" and list(dead.dead) == [0] and dead.urgent
 
 
 # ---- sequence check on a HashStore shared by threads ------------------------------------------------

@@ -22,6 +22,7 @@ from lifecycle.rundir import RESOLVED, has_marker
 
 if TYPE_CHECKING:
     from lifecycle.context import RunContext
+    from lifecycle.distributed.parallel import ParallelState
     from lifecycle.machine.orchestrator import Orchestrator
     from lifecycle.obs.events import EventLog
     from lifecycle.policy.schema import FaultDrill, Policy
@@ -56,7 +57,6 @@ def install_signals(ctx: RunContext, orchestrator: Orchestrator) -> None:
 
 def run_rank(run_dir: Path, policy: Policy | None = None) -> int:
     """Run this rank of the run in ``run_dir`` (policy read from there unless given); returns the exit code."""
-    from lifecycle.backends.megatron.parallel import MegatronParallel
     from lifecycle.context import RunContext
     from lifecycle.distributed.faults import Drills
     from lifecycle.machine.orchestrator import Orchestrator
@@ -72,7 +72,7 @@ def run_rank(run_dir: Path, policy: Policy | None = None) -> int:
     ctx = RunContext(policy, run_dir, rank, world, local_rank, events,
                      Drills(policy.faults, rank, on_fire=lambda f: _drill_fired(events, f),
                             crash_code=policy.teardown.exit_codes.rank_failed),
-                     MegatronParallel(), attempt=attempt)
+                     parallel_for(policy), attempt=attempt)
     orchestrator = Orchestrator(ctx)
     install_signals(ctx, orchestrator)
     start_watchdog(ctx)
@@ -81,6 +81,19 @@ def run_rank(run_dir: Path, policy: Policy | None = None) -> int:
     finally:
         if ctx.watchdog is not None:
             ctx.watchdog.stop()
+
+
+def parallel_for(policy: Policy) -> ParallelState:
+    """The model-parallel groups' creator the train kind asks for (its ``HandlerSpec.groups``)."""
+    from lifecycle.handlers import registry
+
+    if registry.get("train", policy.train.kind).groups == "torch":
+        from lifecycle.distributed.native import NativeParallel
+
+        return NativeParallel()
+    from lifecycle.backends.megatron.parallel import MegatronParallel
+
+    return MegatronParallel()
 
 
 def _attempt(run_dir: Path, rank: int) -> int:

@@ -34,6 +34,14 @@ class HandlerSpec:
     factory: str
     description: str = ""
     source: str = field(default="built-in", compare=False)
+    groups: str = "megatron"
+    """Who creates the model-parallel groups the kind runs on: ``megatron`` (megatron-core's ``parallel_state``,
+    which the kind may then use itself) or ``torch`` (the same groups made with ``torch.distributed`` alone, by
+    :class:`lifecycle.distributed.native.NativeParallel`: megatron is never imported, seconds saved per rank)."""
+
+    def __post_init__(self) -> None:
+        if self.groups not in ("megatron", "torch"):
+            raise ValueError(f"HandlerSpec({self.kind!r}).groups must be 'megatron' or 'torch', got {self.groups!r}")
 
     def load(self) -> Any:
         """Import and return the factory (this may import torch and megatron)."""
@@ -47,7 +55,7 @@ _BUILTINS = [
                 "a megatron-core GPTModel (MoE optional) with Megatron DDP and optimizer"),
     HandlerSpec("synthetic", "train", SyntheticOptions,
                 "lifecycle.handlers.synthetic:SyntheticStep",
-                "a tiny torch model with a data-parallel all-reduce per step (no megatron)"),
+                "a tiny torch model with a data-parallel all-reduce per step (no megatron)", groups="torch"),
 ]
 _registry: dict[tuple[str, str], HandlerSpec] = {}
 _entry_points_loaded = False
@@ -80,7 +88,7 @@ def _load_entry_points() -> None:
                 log.warning("entry point %s (%s) gave %r, not a HandlerSpec", ep.name, dist, spec)
                 continue
             register(HandlerSpec(spec.kind, spec.phase, spec.options, spec.factory,
-                                 spec.description, source=f"package {dist}"))
+                                 spec.description, source=f"package {dist}", groups=spec.groups))
 
 
 def _ensure() -> None:

@@ -93,3 +93,34 @@ def test_synthetic_train_with_checkpoints(tmp_path: Path) -> None:
                                                    "latest_checkpointed_iteration.txt"]
     s = run.summary()
     assert s["exit_code"] == 0 and [c["step"] for c in s["checkpoints"]] == [3, 6]
+
+
+_NO_MEGATRON = """
+import sys
+from pathlib import Path
+from lifecycle.policy.load import validate, write_resolved
+from lifecycle.worker import run_rank
+run_dir = Path(sys.argv[1])
+write_resolved(validate({"run": {"dir": str(run_dir), "id": "t"}, "train": {"kind": "synthetic", "steps": 4},
+                         "checkpoint": {"every_steps": 2}, "moe": {"zero_token": {"action": "off"}},
+                         "watchdog": {"poll_interval_s": 0.1}}), run_dir)
+code = run_rank(run_dir)
+print("megatron modules:", sorted(m for m in sys.modules if m.startswith("megatron"))[:5], "exit", code)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_the_synthetic_kind_never_imports_megatron(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from tests._dist import free_port
+    from tests.helpers import ROOT
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+    proc = subprocess.run([sys.executable, "-c", _NO_MEGATRON, str(tmp_path / "run")], capture_output=True,
+                          text=True, timeout=50, env=env, cwd=ROOT)
+    assert "megatron modules: [] exit 0" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "iter_0000004"

@@ -1,8 +1,11 @@
-"""What `lifecycle explain --world-size N --rank R` prints equals the groups real megatron-core builds."""
+"""What `lifecycle explain --world-size N --rank R` prints equals the groups real megatron-core builds (and, through
+``test_layout_vs_megatron._check``, so do lifecycle's layout and the groups it makes with torch.distributed alone)."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -21,6 +24,27 @@ LAYOUTS = [
 ]
 
 
+def _tp2_pp2_ep2(real: list[dict[str, Any]]) -> None:
+    assert real[5]["got"]["pos_embd"] is None  # last stage: the getter asserts, we say None
+    assert real[1]["got"]["pos_embd"] == [1]
+    assert all(r["got"]["inter_dist_opt"] is None for r in real)
+
+
+def _tp2_ep2_etp1(real: list[dict[str, Any]]) -> None:
+    assert real[0]["got"]["etp"] == [0]
+    assert real[0]["got"]["tp_ep"] == [0, 1]
+
+
+def _instances(real: list[dict[str, Any]]) -> None:
+    assert all(r["got"]["inter_dist_opt"] is not None and len(r["got"]["inter_dist_opt"]) == 2 for r in real)
+
+
+# Facts about the live groups of each layout, beyond "explain and the torch-made groups equal them".
+_LIVE_FACTS: dict[tuple[int, tuple[tuple[str, Any], ...]], Callable[[list[dict[str, Any]]], None]] = {
+    (world, tuple(sorted(sizes.items()))): check
+    for (world, sizes), check in zip(LAYOUTS, (_tp2_pp2_ep2, _tp2_ep2_etp1, _instances), strict=True)}
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world,sizes", LAYOUTS, ids=["tp2-pp2-ep2", "tp2-ep2-etp1", "tp-pp-dp-order-2-instances"])
 def test_explain_layout_equals_real_groups(world: int, sizes: dict[str, int]) -> None:
@@ -33,6 +57,7 @@ def test_explain_layout_equals_real_groups(world: int, sizes: dict[str, int]) ->
         assert layout["groups"] == expected, f"rank {rank}"
         # One communicator per process-group object the live rank holds (gloo twins apart).
         assert layout["communicators_per_rank"] == real[rank]["communicators"], f"rank {rank}"
+    _LIVE_FACTS[world, tuple(sorted(sizes.items()))](real)
     # and the CLI prints the same for one rank
     proc = run_cli("explain", "--json", "--world-size", str(world), "--rank", "1", *overrides)
     assert proc.returncode == 0, proc.stderr

@@ -1,4 +1,7 @@
-"""Layout.ranks_of against the groups real megatron-core builds on real gloo ranks."""
+"""Layout.ranks_of, and the groups lifecycle makes with torch.distributed alone (NativeParallel, the synthetic
+kind's), against the groups real megatron-core builds on real gloo ranks.
+
+The layouts of ``test_explain_vs_megatron`` run through :func:`_check` too (one launch per layout serves both)."""
 
 from __future__ import annotations
 
@@ -19,6 +22,8 @@ def _compare(rank: int, world: int, sizes: dict[str, Any]) -> dict[str, Any]:
     from lifecycle.distributed.names import GROUP_NAMES
 
     init_gloo(rank, world)
+    native = _native_groups(rank, sizes)  # first: megatron must not be imported by it
+    before = len(dist.distributed_c10d._world.pg_map)  # the default group and the torch-made ones
     parallel.initialize(**sizes, timeout_s=60)
     try:
         layout = build_layout(world, **{k: v for k, v in sizes.items() if k != "vpp"})
@@ -28,11 +33,38 @@ def _compare(rank: int, world: int, sizes: dict[str, Any]) -> dict[str, Any]:
             got[name] = None if pg is None else dist.get_process_group_ranks(pg)
             if got[name] != layout.ranks_of(name, rank):
                 mismatched[name] = (got[name], layout.ranks_of(name, rank))
+            if native[name] != got[name]:
+                mismatched[f"{name} (torch-made)"] = (got[name], native[name])
         # Every process group object this rank holds (torch keeps one entry per group it is a member of).
-        communicators = len(dist.distributed_c10d._world.pg_map)
+        communicators = 1 + len(dist.distributed_c10d._world.pg_map) - before
         return {"mismatched": mismatched, "got": got, "communicators": communicators}
     finally:
         parallel.destroy()
+
+
+def _native_groups(rank: int, sizes: dict[str, Any]) -> dict[str, list[int] | None]:
+    import sys
+
+    import torch.distributed as dist
+
+    from lifecycle.distributed.names import GROUP_NAMES
+    from lifecycle.distributed.native import NativeParallel
+    from lifecycle.policy.sections import ParallelismConfig
+
+    native = NativeParallel()
+    native.load()
+    native.initialize(ParallelismConfig(**sizes), timeout_s=60)
+    assert not any(m.startswith("megatron") for m in sys.modules), "NativeParallel imported megatron"
+    out = {}
+    for name in GROUP_NAMES:
+        pg = native.get_group(name)
+        out[name] = None if pg is None else dist.get_process_group_ranks(pg)
+    # One object per distinct rank set: the default group's ranks are not made again.
+    assert native.get_group("world") is dist.group.WORLD
+    native.destroy()
+    native.destroy()
+    assert not native.is_initialized() and native.get_group("tp") is None
+    return out
 
 
 def _check(world: int, sizes: dict[str, Any]) -> list[dict[str, Any]]:
@@ -40,21 +72,6 @@ def _check(world: int, sizes: dict[str, Any]) -> list[dict[str, Any]]:
     for rank, result in enumerate(results):
         assert result["mismatched"] == {}, f"rank {rank}: megatron vs layout {result['mismatched']}"
     return results
-
-
-@pytest.mark.timeout(120)
-def test_world8_tp2_pp2_ep2() -> None:
-    results = _check(8, {"tp": 2, "pp": 2, "ep": 2})
-    assert results[5]["got"]["pos_embd"] is None  # last stage: the getter asserts, we say None
-    assert results[1]["got"]["pos_embd"] == [1]
-    assert all(r["got"]["inter_dist_opt"] is None for r in results)
-
-
-@pytest.mark.timeout(120)
-def test_world4_tp2_ep2_etp1() -> None:
-    results = _check(4, {"tp": 2, "ep": 2, "etp": 1})
-    assert results[0]["got"]["etp"] == [0]
-    assert results[0]["got"]["tp_ep"] == [0, 1]
 
 
 @pytest.mark.timeout(120)

@@ -27,5 +27,5 @@ class AcmeSyntheticOptions(Section):
 
 SPECS = [
     HandlerSpec("acme_synthetic", "train", AcmeSyntheticOptions, "acme_lifecycle_policies.step:AcmeWarmupStep",
-                "the synthetic data-parallel MLP with ACME's linear LR warm-up"),
+                "the synthetic data-parallel MLP with ACME's linear LR warm-up", groups="torch"),
 ]

@@ -199,12 +199,12 @@ class Layout:
 
     def exists(self, name: str) -> bool:
         """Whether Megatron creates groups of this kind at all in this layout."""
-        _check_name(name)
+        check_name(name)
         return name != "inter_dist_opt" or self.dist_opt_instances > 1
 
     def groups(self, name: str) -> list[list[int]]:
         """All groups of kind ``name`` in Megatron's creation order; [] if the kind does not exist."""
-        _check_name(name)
+        check_name(name)
         if not self.exists(name):
             return []
         if name == "world":
@@ -227,7 +227,7 @@ class Layout:
 
     def group_of(self, name: str, rank: int) -> RankSet | None:
         """:meth:`ranks_of` as a RankSet: O(1) in the world size."""
-        _check_name(name)
+        check_name(name)
         if not 0 <= rank < self.world_size:
             raise UsageError(f"rank {rank} is outside world size {self.world_size}")
         if not self.exists(name):
@@ -335,7 +335,8 @@ class Layout:
         return [sorted(edp_ranks[j::size]) for j in range(size)]
 
 
-def _check_name(name: str) -> None:
+def check_name(name: str) -> None:
+    """A UsageError for a name that is not in ``names.GROUP_NAMES`` (with a "did you mean")."""
     if name not in GROUP_NAMES:
         hint = closest(name)
         raise UsageError(f"unknown group name {name!r}"

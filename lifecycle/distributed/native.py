@@ -17,7 +17,7 @@ import datetime
 import logging
 from typing import TYPE_CHECKING
 
-from lifecycle.distributed.layout import build_layout
+from lifecycle.distributed.layout import build_layout, check_name
 from lifecycle.distributed.names import GROUP_NAMES
 from lifecycle.errors import PhaseError, UsageError
 
@@ -79,8 +79,7 @@ class NativeParallel:
         """This rank's group for ``name`` (``world``: the default group), or None. Local, no collective."""
         import torch.distributed as dist
 
-        if name not in GROUP_NAMES:
-            raise UsageError(f"unknown group name {name!r}. Available names: {', '.join(GROUP_NAMES)}")
+        check_name(name)
         if not dist.is_initialized():
             return None
         if name == "world":

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from lifecycle.distributed.layout import DEFAULT_ORDER, build_layout
+from lifecycle.distributed.layout import DEFAULT_ORDER, build_layout, check_name
 from lifecycle.distributed.names import GROUP_NAMES
 from lifecycle.errors import PhaseError, UsageError
 
@@ -132,8 +132,7 @@ def get_group(name: str) -> Any | None:
 
     ``world`` is the default group. Local only, no collective.
     """
-    if name not in GROUP_NAMES:
-        raise UsageError(f"unknown group name {name!r}. Available names: {', '.join(GROUP_NAMES)}")
+    check_name(name)
     if not dist.is_initialized():
         return None
     if name == "world":

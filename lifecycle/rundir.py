@@ -59,8 +59,9 @@ def log_file(run_dir: Path, rank: int) -> Path:
     return Path(run_dir) / LOGS_DIR / f"rank_{rank}.log"
 
 
-def local_report_name(rank: int) -> str:
-    """``hang_report.<rank>.json``: the report of a rank that could not reach its peers (side channel lost)."""
+def local_report_name(rank: int | str) -> str:
+    """``hang_report.<rank>.json``: the report of a rank that could not reach its peers (side channel lost);
+    ``"*"`` gives the glob of all of them."""
     stem, _, ext = HANG_REPORT.rpartition(".")
     return f"{stem}.{rank}.{ext}"
 
@@ -150,8 +151,7 @@ def archive_attempt(run_dir: Path) -> int:
         for name in _PER_ATTEMPT:
             if (run_dir / name).exists():
                 os.replace(run_dir / name, target / name)
-        stem, _, ext = HANG_REPORT.rpartition(".")
-        for local in run_dir.glob(f"{stem}.*.{ext}"):  # the ranks' local reports (side channel lost)
+        for local in run_dir.glob(local_report_name("*")):  # the ranks' local reports (side channel lost)
             os.replace(local, target / local.name)
     (run_dir / ATTEMPT).write_text(f"{previous + 1}\n")
     return previous + 1

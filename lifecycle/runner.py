@@ -98,7 +98,7 @@ def launch(policy: Policy, nproc: int, *, overrides: Sequence[str] = ()) -> int:
     print(f"lifecycle: {again}{nproc} ranks, run directory {run_dir}", flush=True)
     result = launch_local([sys.executable, "-m", "lifecycle.worker", str(run_dir)], nproc, run_dir,
                           env={rundir.ENV_ATTEMPT: str(attempt)})
-    if result.first_failure is not None and (result.how or "").startswith("signal"):
+    if result.first_failure is not None and result.per_rank.get(result.first_failure, 0) < 0:
         # A rank killed by a signal (kill -9, the OOM killer) died: the policy's code for that, not 128+N (the
         # signal stays in the outcome line and the summary).
         result = dataclasses.replace(result, exit_code=policy.teardown.exit_codes.rank_failed)

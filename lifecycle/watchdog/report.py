@@ -47,11 +47,11 @@ def publish(ctx: RunContext, d: diagnosis.Diagnosis, *, dump_stacks: bool) -> No
     if writer == ctx.rank:
         data = {**d.to_json(), "reporter": ctx.rank, "world_size": ctx.world_size, "attempt": ctx.attempt,
                 "flight_recorder": fr}
-        if not _write_json(path, data, first_only=True):
-            if _attempt_of(path) != ctx.attempt:  # left by an earlier attempt that nobody archived (a per-node dir)
-                _write_json(path, data)
-            else:
-                extra[0] = f"  full report: {path} (an earlier report of this attempt; this rank's view is above)"
+        # A report left by an earlier attempt that nobody archived (a per-node run dir) does not count.
+        written = _write_json(path, data, first_only=True) or (_attempt_of(path) != ctx.attempt
+                                                              and _write_json(path, data))
+        if not written and path.exists():
+            extra[0] = f"  full report: {path} (an earlier report of this attempt; this rank's view is above)"
     print(diagnosis.render(d, ctx.rank, extra=extra), file=sys.stderr, flush=True)
     ctx.events.instant("hang_report", cause=d.cause, detail=d.detail[:500], origin=d.origin,
                        culprits=d.culprits[:64], dead=sorted(d.dead)[:64], report=str(path))

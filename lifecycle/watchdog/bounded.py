@@ -143,7 +143,10 @@ class BoundedChannel(Generic[C]):
 
     def close(self, join_s: float = 0.0) -> None:
         """Stop the I/O thread once it is free, waiting up to ``join_s`` for it (a thread still blocked after that
-        is a daemon: it dies with the process)."""
+        is a daemon: it dies with the process). A thread blocked in an abandoned call is not waited for: on a dead
+        link it would only use up ``join_s``."""
         self._requests.put(None)
-        if join_s > 0 and self._thread.ident is not None and self._thread is not threading.current_thread():
+        stuck = self._pending is not None and not self._pending.done.is_set()  # abandoned: may never return
+        if join_s > 0 and not stuck and self._thread.ident is not None \
+                and self._thread is not threading.current_thread():
             self._thread.join(join_s)

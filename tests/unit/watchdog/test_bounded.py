@@ -85,3 +85,20 @@ def test_a_connect_that_blocks_never_blocks_a_caller() -> None:
     hold.set()
     assert io.wait_connected(5)
     io.close()
+
+
+def test_close_waits_for_an_idle_thread_but_not_for_one_stuck_in_an_abandoned_call() -> None:
+    idle = BoundedChannel(lambda: FakeStore(), op_timeout_s=0.2, name="test-io", address="h:1")
+    assert idle.wait_connected(5) and idle.call(lambda s: s.ping()) == 1
+    idle.close(join_s=5)
+    assert not idle._thread.is_alive()  # joined: no thread left in a C++ call at exit
+    store = FakeStore()
+    stuck = BoundedChannel(lambda: store, op_timeout_s=0.2, name="test-io", address="h:1")
+    assert stuck.wait_connected(5)
+    store.gate.clear()  # a dead link: the call never returns
+    with pytest.raises(StoreUnavailable):
+        stuck.call(lambda s: s.ping())
+    t0 = time.monotonic()
+    stuck.close(join_s=5)
+    assert time.monotonic() - t0 < 0.5  # a partitioned rank leaves without waiting join_s for nothing
+    store.gate.set()

@@ -1,22 +1,32 @@
-# The two commands of the README. Each creates the environment when it is missing.
-#   make run    the main job (the embedded default policy)
-#   make test   lint, type check and the whole test suite
+# The two commands of the README. Each creates the environment when it is missing and re-installs it when the
+# lock changes.
+#   make run          the main job (the embedded default policy)
+#   make test         lint, type check and the whole test suite
+# Upgrades, on purpose:
+#   make lock         re-resolve requirements/lock.txt from pyproject.toml (newest versions its ranges allow)
+#   make test-latest  the same checks in a separate .venv-latest with the newest versions, not the lock
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.lifecycle-installed
 PYTHON ?= python3
+LOCK   := requirements/lock.txt
+LATEST := .venv-latest
+# torch stays at the CPU build on these machines' disk: an unpinned torch would pull a multi-GB CUDA build.
+TORCH  := torch==2.13.0
+PIP    := -q --disable-pip-version-check
 
-.PHONY: run test env lint clean
+.PHONY: run test env lint lock test-latest clean
 
 env: $(STAMP)
 
-# torch==2.13.0 first: an unpinned torch would pull a multi-GB CUDA build.
-$(STAMP): pyproject.toml constraints.txt
+# Exactly the locked set: every package pinned and hash-checked (--no-deps: nothing outside the lock is
+# resolved), then pip-sync (from the lock) removes whatever the lock does not name, then the project itself.
+$(STAMP): $(LOCK) pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip uninstall -q -y lifecycle 2>/dev/null || true  # the distribution's old name
-	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
+	$(PY) -m pip install $(PIP) --require-hashes --no-deps -r $(LOCK)
+	$(VENV)/bin/pip-sync -q --pip-args "--no-deps $(PIP)" $(LOCK)
+	$(PY) -m pip install $(PIP) --no-deps --no-build-isolation -e .
+	$(PY) -m pip check
 	touch $@
 
 run: $(STAMP)
@@ -29,5 +39,23 @@ lint: $(STAMP)
 test: lint
 	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q -p no:randomly --durations=15
 
+lock: $(STAMP)
+	CUSTOM_COMPILE_COMMAND="make lock" $(VENV)/bin/pip-compile -q --upgrade --generate-hashes --allow-unsafe --strip-extras --extra dev \
+	  --no-emit-index-url --no-emit-find-links \
+	  -o $(LOCK) pyproject.toml requirements/lock.in
+
+# What the newest releases would break, found by whoever upgrades: pyproject's ranges, newest versions.
+test-latest:
+	rm -rf $(LATEST)
+	$(PYTHON) -m venv $(LATEST)
+	$(LATEST)/bin/pip install $(PIP) --upgrade pip
+	$(LATEST)/bin/pip install $(PIP) $(TORCH)
+	$(LATEST)/bin/pip install $(PIP) --upgrade --upgrade-strategy eager -e '.[dev]' $(TORCH)
+	$(LATEST)/bin/pip list --format=freeze --exclude-editable > $(LATEST)/versions.txt
+	$(LATEST)/bin/python -m tests.lockfile $(LOCK) $(LATEST)/versions.txt
+	$(LATEST)/bin/ruff check
+	$(LATEST)/bin/mypy lifecycle
+	OMP_NUM_THREADS=1 $(LATEST)/bin/pytest -q -p no:randomly --durations=15
+
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) $(LATEST) runs

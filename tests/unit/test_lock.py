@@ -1,0 +1,61 @@
+"""The locked environment: every package pinned and hashed, and the lock still satisfies pyproject's ranges.
+
+An edit of pyproject.toml that the lock no longer meets (a new dependency, a raised floor) fails here until
+``make lock`` is run; what a fresh machine installs is then what CI tested.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import sys
+from pathlib import Path
+
+import pytest
+from packaging.utils import canonicalize_name
+from packaging.version import Version
+
+from tests.helpers import ROOT
+from tests.lockfile import LOCK, diff, hashed, pins, unmet
+
+TEXT = LOCK.read_text()
+
+
+def test_lock_satisfies_pyproject() -> None:
+    assert unmet(pins(TEXT)) == [], "requirements/lock.txt no longer meets pyproject.toml: run `make lock`"
+
+
+def test_every_locked_package_is_pinned_and_hashed() -> None:
+    counts = hashed(TEXT)
+    assert len(counts) > 40, "the lock names the whole environment, transitive packages included"
+    assert sorted(name for name, n in counts.items() if n == 0) == []
+    assert {"pip", "setuptools", "wheel", "pip-tools"} <= set(counts), "the tools that build the env are locked"
+
+
+def test_torch_is_the_cpu_build_on_disk() -> None:
+    torch = pins(TEXT)[canonicalize_name("torch")]
+    assert torch.public == "2.13.0" and torch.local == "cpu"
+    assert not [n for n in pins(TEXT) if n.startswith("nvidia-")], "a CUDA torch's dependencies are in the lock"
+
+
+def test_lock_records_how_it_is_made() -> None:
+    assert "make lock" in TEXT.split("\n\n", 1)[0], "the lock's header names the command that rewrites it"
+    makefile = (ROOT / "Makefile").read_text()
+    assert "--require-hashes --no-deps -r $(LOCK)" in makefile and "pip-sync" in makefile
+
+
+def test_pins_unmet_and_diff_read_what_they_should() -> None:
+    locked = pins("a==1.0 \\\n    --hash=sha256:00\nb-c==2.0\n# c==9\n")
+    assert locked == {"a": Version("1.0"), "b-c": Version("2.0")}
+    assert diff(locked, {"a": Version("1.1"), "b-c": Version("2.0"), "d": Version("3")}) == [
+        "  a: lock 1.0 -> 1.1", "  d: lock - -> 3"]
+    assert any(p.startswith("torch") for p in unmet({"torch": Version("1.0")}))
+
+
+def test_this_environment_is_the_locked_one() -> None:
+    """What `make test` runs in is exactly the lock (an env made by hand may differ: then this says how)."""
+    venv = Path(sys.prefix)
+    if not (venv / ".lifecycle-installed").exists():
+        pytest.skip(f"{venv} is not an environment made by `make test`")
+    here = {canonicalize_name(d.metadata["Name"]): Version(d.version) for d in importlib.metadata.distributions()
+            if canonicalize_name(d.metadata["Name"]) != "megatron-lifecycle"}
+    assert diff(pins(TEXT), here) == []

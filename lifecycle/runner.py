@@ -122,19 +122,33 @@ def _timeline(run_dir: Path) -> None:
 
 
 def _run_as_rank(overrides: Sequence[str], config_dir: str | None, config_name: str) -> int:
-    from lifecycle import rundir
-    from lifecycle.policy.load import load, write_resolved
+    from lifecycle.policy.load import load
     from lifecycle.preflight import rank_env
     from lifecycle.worker import run_rank
 
     rank, world, _ = rank_env()
     loaded = load(overrides, config_dir=config_dir, config_name=config_name)
     policy = loaded.policy
+    run_dir = prepare_rank_dir(policy, rank, world, overrides, hint="torchrun --rdzv-id")
+    code = run_rank(run_dir, policy)
+    # Leave now, as the local launcher's ranks do: interpreter shutdown could wait on threads or process
+    # groups that a dead peer left blocked (a gloo group joins its worker threads when destroyed).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def prepare_rank_dir(policy: Policy, rank: int, world: int, overrides: Sequence[str], *, hint: str) -> Path:
+    """One rank of a job started by another launcher (torchrun, srun, a trainer's own): rank 0 checks what can be
+    checked before init and writes the resolved policy; every rank checks the folders. The run directory."""
+    from lifecycle import rundir
+    from lifecycle.policy.load import write_resolved
+
     run_dir = Path(policy.run.dir).resolve()
     if rank == 0:
         if rundir.holds_run(run_dir) and policy.checkpoint.resume == "never":
             raise UsageError(f"run directory {run_dir} already holds a run and checkpoint.resume=never; set a new "
-                             f"run id (torchrun --rdzv-id) or checkpoint.resume=auto to continue it")
+                             f"run id ({hint}) or checkpoint.resume=auto to continue it")
         preflight(policy, world)
         write_resolved(policy, run_dir)
         (run_dir / rundir.OVERRIDES).write_text("".join(f"{o}\n" for o in overrides))
@@ -142,9 +156,4 @@ def _run_as_rank(overrides: Sequence[str], config_dir: str | None, config_name: 
         from lifecycle import preflight as checks
 
         checks.check_dirs(policy.run.dir, policy.checkpoint.dir)
-    code = run_rank(run_dir, policy)
-    # Leave now, as the local launcher's ranks do: interpreter shutdown could wait on threads or process
-    # groups that a dead peer left blocked (a gloo group joins its worker threads when destroyed).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    return run_dir

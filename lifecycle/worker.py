@@ -57,22 +57,13 @@ def install_signals(ctx: RunContext, orchestrator: Orchestrator) -> None:
 
 def run_rank(run_dir: Path, policy: Policy | None = None) -> int:
     """Run this rank of the run in ``run_dir`` (policy read from there unless given); returns the exit code."""
-    from lifecycle.context import RunContext
-    from lifecycle.distributed.faults import Drills
     from lifecycle.machine.orchestrator import Orchestrator
-    from lifecycle.obs.events import EventLog
     from lifecycle.policy.load import read_resolved
 
     if policy is None:
         policy = read_resolved(run_dir / RESOLVED)
     rank, world, local_rank = rank_env()
-    attempt = _attempt(run_dir, rank)
-    events = EventLog(run_dir, rank, local_rank)
-    events.instant("attempt", attempt=attempt, world_size=world)
-    ctx = RunContext(policy, run_dir, rank, world, local_rank, events,
-                     Drills(policy.faults, rank, on_fire=lambda f: _drill_fired(events, f),
-                            crash_code=policy.teardown.exit_codes.rank_failed),
-                     parallel_for(policy), attempt=attempt)
+    ctx = build_context(policy, run_dir, rank, world, local_rank, parallel_for(policy))
     orchestrator = Orchestrator(ctx)
     install_signals(ctx, orchestrator)
     start_watchdog(ctx)
@@ -81,6 +72,22 @@ def run_rank(run_dir: Path, policy: Policy | None = None) -> int:
     finally:
         if ctx.watchdog is not None:
             ctx.watchdog.stop()
+
+
+def build_context(policy: Policy, run_dir: Path, rank: int, world: int, local_rank: int,
+                  parallel: ParallelState) -> RunContext:
+    """This rank's context: its attempt, its event log (the ``attempt`` event first), the policy's drills."""
+    from lifecycle.context import RunContext
+    from lifecycle.distributed.faults import Drills
+    from lifecycle.obs.events import EventLog
+
+    attempt = _attempt(run_dir, rank)
+    events = EventLog(run_dir, rank, local_rank)
+    events.instant("attempt", attempt=attempt, world_size=world)
+    return RunContext(policy, run_dir, rank, world, local_rank, events,
+                      Drills(policy.faults, rank, on_fire=lambda f: _drill_fired(events, f),
+                             crash_code=policy.teardown.exit_codes.rank_failed),
+                      parallel, attempt=attempt)
 
 
 def parallel_for(policy: Policy) -> ParallelState:

@@ -63,6 +63,10 @@ class Orchestrator:
             self.ctx.events.emit("end", f"phase:{self.current}", phase=self.current,
                                  dur_us=int((time.monotonic() - self._entered[self.current]) * 1e6))
 
+    def enter(self, phase: str) -> None:
+        """Enter ``phase`` (a legal transition of the graph, recorded as events)."""
+        self._enter(phase)
+
     def checkpoint(self, ctx: RunContext, reason: str) -> None:
         """train -> checkpoint -> train (called by the train phase at a step boundary)."""
         from lifecycle.phases.checkpoint import save
@@ -71,21 +75,33 @@ class Orchestrator:
         save(ctx, reason)
         self._enter("train")
 
-    def run(self) -> int:
-        """Run every phase of the main path; return the exit code (0, or the policy's code for the failure)."""
+    def begin(self) -> None:
+        """The phases before training (init, warmup unless disabled), then enter train. Raises; the caller takes
+        the failure edge (:meth:`fail`). Every rank calls it: the phases are collective."""
         ctx = self.ctx
-        try:
-            for phase in MAIN_PATH:
-                if phase == TERMINAL:
-                    break
-                handler = self.handlers[phase]
-                if not handler.enabled(ctx):
-                    continue
+        for phase in MAIN_PATH[:MAIN_PATH.index("train")]:
+            handler = self.handlers[phase]
+            if handler.enabled(ctx):
                 self._enter(phase)
                 handler.run(ctx)
+        self._enter("train")
+
+    def run(self) -> int:
+        """Run every phase of the main path; return the exit code (0, or the policy's code for the failure)."""
+        try:
+            self.begin()
+            self.handlers["train"].run(self.ctx)
             return self._teardown()
         except BaseException as exc:  # noqa: BLE001 - every failure takes the failure edge
             return self._fail(exc)
+
+    def finish(self) -> int:
+        """The success path's teardown (the failure edge if it fails); the exit code."""
+        return self._teardown()
+
+    def fail(self, exc: BaseException) -> int:
+        """The failure edge for ``exc``; the policy's exit code."""
+        return self._fail(exc)
 
     def _teardown(self) -> int:
         self._enter(TERMINAL)

@@ -17,7 +17,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from lifecycle import ckptdir
 from lifecycle.errors import CheckpointError, PhaseError
@@ -271,3 +271,73 @@ def _set_aside(root: Path, rejected: dict[str, str], keep: Path | None) -> None:
         step = ckptdir.step_of(folder.name)
         if folder.is_dir() and step is not None and limit is not None and step > limit:
             ckptdir.set_aside(folder, why)
+
+
+class TrainerSave:
+    """The trainer's own save of one step, wrapped by ``job.checkpoint(n, path)``.
+
+    :meth:`begin` (every rank, at the same step): the checkpoint phase, ``before_checkpoint`` points, the save
+    span under the checkpoint deadline. The trainer writes. :meth:`commit` (every rank): completion agreed over
+    the store, never the default group (late ranks named); with ``path`` rank 0 then records the manifest,
+    fsyncs and points the trackers at it (``latest``, Megatron-LM's file), and every rank learns it did.
+    """
+
+    def __init__(self, ctx: RunContext, machine: Phases, step: int, path: Path | None) -> None:
+        if path is not None and path.name != ckptdir.iter_name(step):
+            raise PhaseError(f"job.checkpoint({step}, path={path}): path must be the folder of step {step} named "
+                             f"as Megatron-LM names it ({ckptdir.iter_name(step)}), where the trackers will point",
+                             phase="checkpoint", rank=ctx.rank)
+        self.ctx, self.machine, self.step, self.path = ctx, machine, step, path
+        self.deadline = 0.0
+        self._t0 = 0.0
+
+    def begin(self) -> None:
+        ctx = self.ctx
+        if ctx.pending_save is not None:
+            finish_pending(ctx)
+        self.machine.enter("checkpoint")
+        ctx.step = self.step
+        self.deadline = ctx.deadline("checkpoint")
+        run_points(ctx, "before_checkpoint", self.deadline)
+        ctx.drills.fire("checkpoint", step=self.step, op="save")
+        ctx.events.emit("begin", "save", step=self.step, reason="trainer", path=str(self.path or ""))
+        self._t0 = time.monotonic()
+
+    def commit(self) -> None:
+        from lifecycle.distributed.barrier import store_barrier
+
+        ctx, path = self.ctx, self.path
+        ctx.events.emit("end", "save", step=self.step, reason="trainer", path=str(path or ""),
+                        dur_us=int((time.monotonic() - self._t0) * 1e6), outcome="ok")
+        key = ctx.next_key(f"ckpt/trainer/{self.step}")
+        ctx.drills.fire("checkpoint", step=self.step, op="commit")
+        with ctx.events.span("commit", step=self.step, path=str(path or "")):
+            with ctx.events.span("barrier:ckpt_written", group="world", via="store"):
+                store_barrier(ctx.require_store(), key, ctx.rank, _all_ranks(ctx), self.deadline,
+                              phase="checkpoint", group="world")
+            ctx.observe("checkpoint", time.monotonic() - self._t0)
+            if path is not None and ctx.rank == 0:
+                _commit_folder(path, self.step)
+            with ctx.events.span("barrier:ckpt_committed", group="world", via="store"):
+                store_barrier(ctx.require_store(), f"{key}/committed", ctx.rank, _all_ranks(ctx), self.deadline,
+                              phase="checkpoint", group="world")
+        if path is not None:
+            ctx.saved.append(str(path))
+        run_points(ctx, "after_checkpoint", self.deadline)
+        self.machine.enter("train")
+
+
+class Phases(Protocol):
+    def enter(self, phase: str) -> None: ...
+
+
+def _commit_folder(path: Path, step: int) -> None:
+    """Rank 0, once every rank's writes are done: the manifest, fsync, then the trackers (atomically)."""
+    if not path.is_dir():
+        raise CheckpointError(f"job.checkpoint({step}): the trainer's save left no folder at {path}; nothing to "
+                              f"commit (the trackers still name the last committed checkpoint)", path=str(path),
+                              phase="checkpoint", rank=0)
+    ckptdir.write_manifest(path)
+    ckptdir.fsync_dir(path)
+    ckptdir.write_tracker(path.parent, step)
+    log.info("checkpoint step %d committed (the trainer's save): %s", step, path)

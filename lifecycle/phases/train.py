@@ -1,12 +1,17 @@
 """Train: build the step handler, resume, run the steps; barrier points, checkpoints and preemption
-happen at step boundaries, in the same order on every rank."""
+happen at step boundaries, in the same order on every rank.
+
+:class:`StepLoop` is the one place that wraps a step (span, drills, deadlines, compute times) and decides what
+happens between two steps; the built-in kinds (:class:`TrainPhase`) and a trainer's own loop
+(:class:`lifecycle.machine.job.Job`) both run their steps through it."""
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Generator, Iterator
+from contextlib import closing, contextmanager
+from typing import TYPE_CHECKING, NamedTuple
 
 from lifecycle.handlers import registry
 from lifecycle.phases.points import run_point
@@ -58,14 +63,150 @@ def agree_stop(ctx: RunContext) -> bool:
     return StopFlag(ctx, issued_at=ctx.step).read(ctx, overlapped=False)
 
 
-class TrainPhase:
-    phase = "train"
+class Decision(NamedTuple):
+    """What a step boundary decided: ``save`` (a checkpoint is due at this step: taken already when lifecycle
+    saves the model itself) and ``stop`` (every rank agreed to stop after this step)."""
 
-    def __init__(self, checkpoint: Callable[[RunContext, str], None]) -> None:
+    save: bool
+    stop: bool
+
+
+Checkpoint = Callable[["RunContext", str], None]
+
+
+class StepLoop:
+    """Steps and the boundaries between them, in the same order on every rank.
+
+    ``checkpoint(ctx, reason)`` takes lifecycle's own checkpoint; with None (a trainer that saves by itself) a
+    due save is only reported in the :class:`Decision`.
+    """
+
+    def __init__(self, checkpoint: Checkpoint | None) -> None:
         self.checkpoint = checkpoint
         self.saved_at: int | None = None
         self.flag: StopFlag | None = None
         """The stop flag issued at the last step boundary, read at the next one (signal_overlap)."""
+        self.total: int | None = None
+        """The last step of this run (the policy's ``train.steps`` or ``job.steps(total)``)."""
+        self.stopped = False
+        self.on_step: list[Callable[[int], None]] = []
+        """Called with the step number as each step begins (the zero-token guard's step)."""
+        self._metrics: dict[str, float] = {}
+
+    def start(self, ctx: RunContext, total: int) -> None:
+        """Before the first step (after any resume): a resumed step counts as saved."""
+        self.total = total
+        self.saved_at = ctx.step if ctx.resumed_from is not None else None
+
+    def report(self, **metrics: float) -> None:
+        """Metrics of the step running now (``loss``; ``wait_s``, the time spent waiting on peers)."""
+        self._metrics.update(metrics)
+
+    @contextmanager
+    def step(self, ctx: RunContext, step: int) -> Iterator[None]:
+        """One step span: drills, the step deadline (the watchdog), compute time for stragglers and ``auto``."""
+        ctx.events.step = step
+        for hook in self.on_step:
+            hook(step)
+        ctx.drills.fire("train", step=step)
+        self._metrics = {}
+        t0 = time.monotonic()
+        with ctx.events.span("step") as extra:
+            slow = ctx.drills.slow_s(step)
+            if slow:
+                time.sleep(slow)  # a `slow` drill: extra compute on this rank (a straggler)
+            yield
+            took = time.monotonic() - t0
+            compute = max(took - float(self._metrics.get("wait_s", 0.0)), 0.0)
+            extra.update(self._metrics, compute_s=round(compute, 6))
+        ctx.observe("train", took)
+        if ctx.compute is not None:
+            ctx.compute.add(compute)
+        ctx.step = step
+
+    def steps(self, ctx: RunContext, total: int) -> Generator[int, None, None]:
+        """Yield each step after ``ctx.step`` up to ``total`` inside its step span, then run its boundary; the
+        checkpoint at the end (``checkpoint.at_end``). Every rank iterates the same steps."""
+        self.start(ctx, total)
+        for step in range(ctx.step + 1, total + 1):
+            with self.step(ctx, step):
+                yield step
+            if self.boundary(ctx, step).stop:
+                return
+        self.end(ctx)
+
+    def end(self, ctx: RunContext) -> None:
+        """After the last step: the final checkpoint unless this step is saved already."""
+        ctx.events.step = None
+        if ctx.policy.checkpoint.at_end and self.saved_at != ctx.step and ctx.step > 0:
+            self._save(ctx, "end")
+
+    def finish(self, ctx: RunContext, *, save: bool) -> None:
+        """A trainer's loop ended: read a stop flag still in flight (every rank issued it), then the final
+        checkpoint when ``save`` (a watched model) and no stop saved it already."""
+        flag, self.flag = self.flag, None
+        if flag is not None:
+            flag.read(ctx, overlapped=True)
+        if save and not self.stopped:
+            self.end(ctx)
+
+    def save_now(self, ctx: RunContext, reason: str) -> None:
+        """A checkpoint of the current step, asked for by the trainer."""
+        self._save(ctx, reason)
+
+    def _save(self, ctx: RunContext, reason: str) -> None:
+        if self.checkpoint is not None:
+            self.checkpoint(ctx, reason)
+        self.saved_at = ctx.step
+
+    def boundary(self, ctx: RunContext, step: int) -> Decision:
+        """Everything that happens between two steps, in the same order on every rank (collective on the default
+        group when the stop flag is due, and on the groups of the barrier points and checkpoints)."""
+        ck, every = ctx.policy.checkpoint, ctx.policy.barriers.every_n_steps
+        stop = False
+        if self.flag is not None:  # issued at the last boundary, reduced while this step ran
+            stop, self.flag = self.flag.read(ctx, overlapped=True), None
+        if ctx.pending_save is not None:  # an async save overlapped this step: commit it now
+            from lifecycle.phases.checkpoint import finish_pending
+
+            finish_pending(ctx)
+        if every is not None and step % every.n == 0:
+            run_point(ctx, f"every_{every.n}_steps", every, ctx.deadline("train"))
+        save_step = bool(ck.every_steps and step % ck.every_steps == 0)
+        if save_step:
+            self._save(ctx, "periodic")
+        # The stop flag's all-reduce also carries the adaptive deadlines: with auto deadlines it runs even
+        # when signals are not handled (its flag is then ignored).
+        # checkpoint.signal_check_every trades that all-reduce on most steps for a later stop after a signal;
+        # checkpoint.signal_overlap reads it one step later, except where the stop decides a save now (a
+        # periodic-save step, the last step): there it is agreed at once, so a stop never saves twice.
+        due = step % ck.signal_check_every == 0 or save_step
+        last = self.total is not None and step >= self.total
+        if not stop and due and (ck.on_signal or ctx.adaptive):
+            if ck.signal_overlap and not save_step and not last:
+                self.flag = StopFlag(ctx, issued_at=step)
+            else:
+                stop = agree_stop(ctx)
+        if not (ck.on_signal and stop):
+            return Decision(save=save_step, stop=False)
+        ctx.stop.stop_step = step
+        self.stopped = True
+        saving = self.saved_at != step
+        if saving:
+            self._save(ctx, "preemption")
+        log.warning("preempted at step %d, saved", step)
+        if ctx.rank == 0:
+            print(f"preempted at step {step}, saved", flush=True)
+        return Decision(save=save_step or saving, stop=True)
+
+
+class TrainPhase:
+    """The built-in kinds' train phase: a loop over :meth:`StepLoop.steps` calling the kind's ``step``."""
+
+    phase = "train"
+
+    def __init__(self, checkpoint: Checkpoint) -> None:
+        self.loop = StepLoop(checkpoint)
 
     def enabled(self, ctx: RunContext) -> bool:
         return True  # entered even with train.steps=0: the stop-flag agreement and teardown's order need it
@@ -83,9 +224,6 @@ class TrainPhase:
         with ctx.events.span("setup", handler=policy.train.kind):
             ctx.step_handler.setup(ctx)
         self._resume(ctx)
-        if ctx.resumed_from is not None:
-            for model in ctx.adaptive.values():
-                model.after_resume()  # the first step after a resume runs with the static deadline
         self._loop(ctx, ctx.step_handler)
 
     def _build(self, ctx: RunContext) -> StepHandler:
@@ -99,70 +237,26 @@ class TrainPhase:
         from lifecycle.phases.checkpoint import resume
 
         resume(ctx)
+        after_resume(ctx)
 
     def _loop(self, ctx: RunContext, handler: StepHandler) -> None:
         from lifecycle.obs import progress
 
-        policy = ctx.policy
-        self.saved_at = ctx.step if ctx.resumed_from is not None else None
-        with progress.for_rank(ctx.rank, "train", policy.train.steps, start=ctx.step) as bar:
-            for step in range(ctx.step + 1, policy.train.steps + 1):
-                ctx.events.step = step
-                ctx.drills.fire("train", step=step)
-                t0 = time.monotonic()
-                with ctx.events.span("step") as extra:
-                    slow = ctx.drills.slow_s(step)
-                    if slow:
-                        time.sleep(slow)  # a `slow` drill: extra compute on this rank (a straggler)
+        total = ctx.policy.train.steps
+        with progress.for_rank(ctx.rank, "train", total, start=ctx.step) as bar, \
+                closing(self.loop.steps(ctx, total)) as steps:
+            for step in steps:
+                try:
                     metrics = handler.step(ctx, step)
-                    took = time.monotonic() - t0
-                    compute = max(took - float(metrics.get("wait_s", 0.0)), 0.0)
-                    extra.update(metrics, compute_s=round(compute, 6))
-                ctx.observe("train", took)
-                if ctx.compute is not None:
-                    ctx.compute.add(compute)
-                ctx.step = step
+                except BaseException as exc:  # noqa: BLE001 - the step span ends with this error, re-raised
+                    steps.throw(exc)
+                    raise
+                self.loop.report(**metrics)
                 bar.update(step, loss=metrics.get("loss"))
-                if self._boundary(ctx, step):
-                    return
-        ctx.events.step = None
-        if policy.checkpoint.at_end and self.saved_at != ctx.step:
-            self.checkpoint(ctx, "end")
 
-    def _boundary(self, ctx: RunContext, step: int) -> bool:
-        """Everything that happens between two steps, in the same order on every rank. True: stop now."""
-        ck, every = ctx.policy.checkpoint, ctx.policy.barriers.every_n_steps
-        stop = False
-        if self.flag is not None:  # issued at the last boundary, reduced while this step ran
-            stop, self.flag = self.flag.read(ctx, overlapped=True), None
-        if ctx.pending_save is not None:  # an async save overlapped this step: commit it now
-            from lifecycle.phases.checkpoint import finish_pending
 
-            finish_pending(ctx)
-        if every is not None and step % every.n == 0:
-            run_point(ctx, f"every_{every.n}_steps", every, ctx.deadline("train"))
-        save_step = bool(ck.every_steps and step % ck.every_steps == 0)
-        if save_step:
-            self.checkpoint(ctx, "periodic")
-            self.saved_at = step
-        # The stop flag's all-reduce also carries the adaptive deadlines: with auto deadlines it runs even
-        # when signals are not handled (its flag is then ignored).
-        # checkpoint.signal_check_every trades that all-reduce on most steps for a later stop after a signal;
-        # checkpoint.signal_overlap reads it one step later, except where the stop decides a save now (a
-        # periodic-save step, the last step): there it is agreed at once, so a stop never saves twice.
-        due = step % ck.signal_check_every == 0 or save_step
-        if not stop and due and (ck.on_signal or ctx.adaptive):
-            if ck.signal_overlap and not save_step and step < ctx.policy.train.steps:
-                self.flag = StopFlag(ctx, issued_at=step)
-            else:
-                stop = agree_stop(ctx)
-        if not (ck.on_signal and stop):
-            return False
-        ctx.stop.stop_step = step
-        if self.saved_at != step:
-            self.checkpoint(ctx, "preemption")
-            self.saved_at = step
-        log.warning("preempted at step %d, saved", step)
-        if ctx.rank == 0:
-            print(f"preempted at step {step}, saved", flush=True)
-        return True
+def after_resume(ctx: RunContext) -> None:
+    """The first step after a resume runs with the static deadline (adaptive models start over)."""
+    if ctx.resumed_from is not None:
+        for model in ctx.adaptive.values():
+            model.after_resume()

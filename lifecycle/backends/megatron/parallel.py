@@ -180,3 +180,19 @@ class MegatronParallel:
     def destroy(self) -> None:
         if "megatron.core" in sys.modules:
             destroy()
+
+
+def live_layout() -> dict[str, int]:
+    """The sizes of the groups megatron's ``parallel_state`` holds now, by the policy's ``parallelism`` keys
+    (tp, pp, cp, ep, etp, vpp, dist_opt_instances). Local, no collective."""
+    ps = _ps()
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size()
+    try:
+        part = ps.get_data_parallel_world_size(with_context_parallel=True, partial_data_parallel=True)
+        instances = ps.get_data_parallel_world_size(with_context_parallel=True) // part if part else 1
+    except (TypeError, AssertionError, RuntimeError):  # an older signature
+        instances = 1
+    return {"tp": ps.get_tensor_model_parallel_world_size(), "pp": ps.get_pipeline_model_parallel_world_size(),
+            "cp": ps.get_context_parallel_world_size(), "ep": ps.get_expert_model_parallel_world_size(),
+            "etp": ps.get_expert_tensor_parallel_world_size(), "vpp": int(vpp) if vpp else 1,
+            "dist_opt_instances": instances}

@@ -27,13 +27,12 @@ class MegatronGPTStep:
         """Collective on the default group (the optimizer aligns parameter groups with all_gather_object)."""
         from megatron.core import parallel_state as ps
 
-        from lifecycle.backends.megatron import comm_events
         from lifecycle.backends.megatron.model import ModelSpec, build
 
         o = self.o
         self.state = build(ModelSpec(o, seed=ctx.policy.run.seed))
         self.dp_rank = ps.get_data_parallel_rank()
-        self._record_collectives(ctx, comm_events)
+        record_collectives(ctx)
         action = ctx.policy.moe.zero_token.action
         if action != "off" and o.num_experts:
             from lifecycle.moe import install_zero_token_guard
@@ -43,23 +42,6 @@ class MegatronGPTStep:
 
             self.guard = install_zero_token_guard(self.state.gpts, action, rank=ctx.rank, on_event=on_event)
         self._zero_token_drills(ctx)
-
-    def _record_collectives(self, ctx: RunContext, comm_events: Any) -> None:
-        from lifecycle.distributed.names import GROUP_NAMES
-
-        if not comm_events.install():
-            log.info("this megatron-core has no DDP coalescing hook: gradient reductions are not traced")
-            return
-
-        def count(label: str) -> None:
-            ctx.op_counts[label] += 1
-
-        from megatron.core import parallel_state as ps
-
-        # Megatron's dense dp group inside one distributed-optimizer instance has no symbolic name.
-        extra = {"intra_dp": ps.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True)}
-        labels = comm_events.group_labels(ctx.parallel.get_group, [n for n in GROUP_NAMES if n != "world"], extra)
-        comm_events.set_recorder(comm_events.Recorder(ctx.events.span, count, labels))
 
     def _zero_token_drills(self, ctx: RunContext) -> None:
         from lifecycle.distributed.faults import zero_token_drills
@@ -121,3 +103,23 @@ class MegatronGPTStep:
 
             comm_events.set_recorder(None)
         self.state = None
+
+
+def record_collectives(ctx: RunContext) -> None:
+    """Megatron DDP's bucket collectives become spans on their groups (a hang there names group and ranks)."""
+    from megatron.core import parallel_state as ps
+
+    from lifecycle.backends.megatron import comm_events
+    from lifecycle.distributed.names import GROUP_NAMES
+
+    if not comm_events.install():
+        log.info("this megatron-core has no DDP coalescing hook: gradient reductions are not traced")
+        return
+
+    def count(label: str) -> None:
+        ctx.op_counts[label] += 1
+
+    # Megatron's dense dp group inside one distributed-optimizer instance has no symbolic name.
+    extra = {"intra_dp": ps.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True)}
+    labels = comm_events.group_labels(ctx.parallel.get_group, [n for n in GROUP_NAMES if n != "world"], extra)
+    comm_events.set_recorder(comm_events.Recorder(ctx.events.span, count, labels))

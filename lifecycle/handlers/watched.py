@@ -1,0 +1,55 @@
+"""Checkpoints of a trainer's own torch modules (``job.watch`` of a model that is not megatron's): every rank
+writes its ``rank_<R>.pt`` (model and optimizer state dicts, the step) with the same two-phase commit as the
+built-in kinds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lifecycle.context import RunContext
+from lifecycle.errors import PhaseError
+from lifecycle.handlers.synthetic import LocalFilesSave
+
+
+class WatchedModules:
+    """The save/load half of a step handler over a list of modules and an optional torch optimizer."""
+
+    def __init__(self, chunks: list[torch.nn.Module], optimizer: Any) -> None:
+        self.chunks = chunks
+        self.optimizer = optimizer
+
+    def setup(self, ctx: RunContext) -> None:
+        """Nothing to build: the trainer built its model."""
+
+    def step(self, ctx: RunContext, step: int) -> dict[str, float]:
+        raise RuntimeError("a watched model is stepped by the trainer's own loop")
+
+    def _state(self) -> dict[str, Any]:
+        state: dict[str, Any] = {f"model{i}": c.state_dict() for i, c in enumerate(self.chunks)}
+        if self.optimizer is not None:
+            state["optimizer"] = self.optimizer.state_dict()
+        return state
+
+    def begin_save(self, ctx: RunContext, ckpt_dir: Path) -> LocalFilesSave:
+        """This rank's files only (no collective)."""
+        state = torch.utils._pytree.tree_map(  # a snapshot: training may go on while an async save writes
+            lambda v: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v, self._state())
+        state["step"] = ctx.step
+        return LocalFilesSave(ckpt_dir, ctx.rank, ctx.world_size, state, ctx.policy.checkpoint.async_)
+
+    def load(self, ctx: RunContext, ckpt_dir: Path) -> int:
+        if not (ckpt_dir / "metadata.json").is_file():
+            raise PhaseError(f"{ckpt_dir} has no metadata.json (not a committed checkpoint)", phase="train",
+                             rank=ctx.rank)
+        state = torch.load(ckpt_dir / f"rank_{ctx.rank}.pt", weights_only=True, map_location="cpu")
+        for i, chunk in enumerate(self.chunks):
+            chunk.load_state_dict(state[f"model{i}"])
+        if self.optimizer is not None and "optimizer" in state:
+            self.optimizer.load_state_dict(state["optimizer"])
+        return int(state["step"])
+
+    def close(self) -> None:
+        self.chunks = []

@@ -1,0 +1,417 @@
+"""One rank's engine inside a trainer's own loop: ``lifecycle.attach()`` returns a :class:`Job`.
+
+The Job drives the same parts as ``lifecycle run``'s ranks — the orchestrator's phases and failure edge
+(:class:`~lifecycle.machine.orchestrator.Orchestrator`), the step loop and its boundaries
+(:class:`~lifecycle.phases.train.StepLoop`), the checkpoint commit protocol, the watchdog, teardown — but the
+trainer keeps its loop::
+
+    job = lifecycle.attach(overrides=["preset=moe"])   # every rank, after its own init if it has one
+    job.watch(model, optimizer)                         # zero-token guard, DDP spans, checkpoints + resume
+    for step in job.steps(total):                       # 1-based, after the resumed step
+        train_step(...)                                 # the trainer's own step
+    job.close()                                         # the policy's teardown
+
+Errors of the caller (a layout that is not the policy's, ``attach`` twice, a closed job) raise a
+:class:`~lifecycle.errors.LifecycleError` on every rank. Once the engine runs, a failure inside it — or an
+exception leaving ``with lifecycle.attach(...) as job:`` — takes the failure edge exactly as under ``lifecycle
+run``: abort, the hang report, and the process leaves with the policy's exit code.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Generator, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, NoReturn
+
+from lifecycle.errors import PolicyError, PolicyIssue, UsageError
+from lifecycle.phases.train import Decision, StepLoop
+
+if TYPE_CHECKING:
+    from torch.nn import Module
+
+    from lifecycle.context import RunContext
+    from lifecycle.distributed.parallel import ParallelState
+    from lifecycle.machine.orchestrator import Orchestrator
+    from lifecycle.policy.schema import Policy
+
+log = logging.getLogger(__name__)
+_active: Job | None = None
+"""The one open Job of this process."""
+SUMMARY_WAIT_S = 5.0
+"""How long rank 0 waits at close for every rank's exit event before it writes summary.json."""
+
+
+def attach(config_name: str | None = None, config_dir: str | Path | None = None, overrides: Sequence[str] = (),
+           run_dir: str | Path | None = None) -> Job:
+    """Compose and validate the policy as the CLI does, prepare the run directory, adopt or create the process
+    groups, start the watchdog, run init and warmup; the :class:`Job`. Every rank calls it, in the same order
+    relative to its other collectives (it issues collectives on the default group and on every warmed group).
+
+    ``run_dir`` overrides ``run.dir``. When the trainer already called ``init_process_group`` (and megatron's
+    ``initialize_model_parallel``), they are adopted: the live layout must be the policy's ``parallelism``.
+    Otherwise both are created from the policy and the launcher's environment (torchrun, srun).
+    """
+    global _active
+    if _active is not None and not _active.closed:
+        raise UsageError("lifecycle.attach() was called twice in this process: use the Job it returned (close() it "
+                         "before attaching again)")
+    from lifecycle.policy.load import load
+    from lifecycle.runner import prepare_rank_dir
+    from lifecycle.worker import build_context
+
+    rank, world, local_rank = _ranks()
+    every = [*overrides, *([f"run.dir={run_dir}"] if run_dir is not None else [])]
+    policy = load(every, config_dir=config_dir, config_name=config_name or "config").policy
+    parallel = _adopted_parallel(policy, world)
+    path = prepare_rank_dir(policy, rank, world, every, hint="run_dir= or run.id=")
+    job = Job(build_context(policy, path, rank, world, local_rank, parallel))
+    _active = job
+    job._begin()
+    return job
+
+
+def _ranks() -> tuple[int, int, int]:
+    """(rank, world, local rank): from the live default group, else from the launcher's environment."""
+    import torch.distributed as dist
+
+    from lifecycle.preflight import rank_env
+
+    local = os.environ.get("LOCAL_RANK", "0")
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size(), int(local) if local.isdigit() else 0
+    missing = [n for n in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if not os.environ.get(n)]
+    if missing:
+        raise UsageError(f"lifecycle.attach(): no process group and no launcher environment ({', '.join(missing)} "
+                         f"not set); start the trainer under torchrun or srun, or call "
+                         f"torch.distributed.init_process_group before attach()")
+    return rank_env()
+
+
+def _adopted_parallel(policy: Policy, world: int) -> ParallelState:
+    """The model-parallel backend: megatron's live groups when the trainer made them (checked against the
+    policy, the same on every rank: no collective, no hang), else what the policy's train kind asks for."""
+    from lifecycle.policy.checks import world_issues
+    from lifecycle.worker import parallel_for
+
+    issues = world_issues(policy, world)
+    if issues:
+        raise PolicyError(issues, source=f"world size {world}")
+    if "megatron.core" not in sys.modules:
+        return parallel_for(policy)
+    from lifecycle.backends.megatron.parallel import MegatronParallel, is_initialized, live_layout
+
+    if not is_initialized():
+        return parallel_for(policy)
+    par = policy.parallelism
+    want = {"tp": par.tp, "pp": par.pp, "cp": par.cp, "ep": par.ep, "etp": par.expert_tp, "vpp": par.vpp or 1,
+            "dist_opt_instances": par.dist_opt_instances}
+    live = live_layout()
+    wrong = [PolicyIssue(f"parallelism.{k}", f"the trainer's model-parallel groups have {k}={live[k]}, the policy "
+                         f"{want[k]}; set parallelism.{k}={live[k]} (or initialize the groups with {k}={want[k]})",
+                         has_value=False) for k in want if live[k] != want[k]]
+    if wrong:
+        raise PolicyError(wrong, source="the live layout of megatron's parallel_state")
+    return MegatronParallel()
+
+
+def _modules(model: object) -> list[Module]:
+    import torch
+
+    chunks = list(model) if isinstance(model, list | tuple) else [model]
+    bad = [type(c).__name__ for c in chunks if not isinstance(c, torch.nn.Module)]
+    if not chunks or bad:
+        raise UsageError(f"job.watch(model): model must be a torch module, megatron DDP or a list of model chunks "
+                         f"(got {type(model).__name__}{f' holding {bad}' if bad and chunks != [model] else ''})")
+    return chunks
+
+
+class Job:
+    """One rank's lifecycle inside a trainer's loop (see the module docstring). Made by :func:`attach`."""
+
+    def __init__(self, ctx: RunContext) -> None:
+        from lifecycle.machine.orchestrator import Orchestrator
+
+        self.ctx = ctx
+        self.machine: Orchestrator = Orchestrator(ctx)
+        self.loop = StepLoop(self.machine.checkpoint)
+        self.closed = False
+        self.exit_code: int | None = None
+        self._watched = False
+        self._guard: object | None = None
+        self._started = False
+        self._steps: Generator[int, None, None] | None = None
+        self._dying = False
+        self._setup_open = False
+
+    # ---- the public face ---------------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self.ctx.rank
+
+    @property
+    def run_dir(self) -> Path:
+        return self.ctx.run_dir
+
+    @property
+    def start_step(self) -> int:
+        """The last step already done: 0 for a new run, the resumed checkpoint's step after ``watch``."""
+        return self.ctx.resumed_from or 0
+
+    @property
+    def should_stop(self) -> bool:
+        """Every rank agreed to stop (preemption): save and leave the loop."""
+        return self.ctx.stop.stop_step is not None
+
+    def watch(self, model: object, optimizer: object = None) -> Job:
+        """Guard the model's zero-token MoE ranks (``moe.zero_token``), record megatron DDP bucket collectives as
+        spans, and register model + optimizer for lifecycle's checkpoints; resume from the last committed one
+        (``checkpoint.resume``). Every rank calls it once, before the first step (resume is collective on the
+        default group)."""
+        self._open("watch")
+        chunks = _modules(model)
+        if self._watched:
+            raise UsageError("job.watch() was called already: watch every model chunk in one call (a list)")
+        self._watched = True
+        self._run(lambda: self._watch(chunks, optimizer))
+        return self
+
+    def steps(self, total: int) -> Generator[int, None, None]:
+        """Yield the steps after :attr:`start_step` up to ``total`` (1-based), each inside its step span; between
+        two steps, what ``lifecycle run`` does (stop flag, barriers, checkpoint cadence); the final checkpoint
+        at the end. Every rank iterates the same steps."""
+        self._open("steps")
+        if isinstance(total, bool) or not isinstance(total, int) or total < 0:
+            raise UsageError(f"job.steps(total): total must be an integer >= 0 (got {total!r})")
+        if not self._run(self._before_first_step):
+            return _no_steps()
+        self._steps = self.loop.steps(self.ctx, total)
+        return self._guarded(self._steps)
+
+    @contextmanager
+    def step(self, n: int) -> Iterator[None]:
+        """One step span (deadline, drills, compute time) for trainers that keep their loop; then call
+        :meth:`boundary`."""
+        self._open("step")
+        if not self._started:
+            self._run(self._before_first_step)
+        with self.loop.step(self.ctx, n):
+            yield
+
+    def report(self, **metrics: float) -> None:
+        """Metrics of the running step (``loss``; ``wait_s``: time spent waiting on peers, not compute)."""
+        self.loop.report(**metrics)
+
+    def boundary(self, n: int) -> Decision:
+        """After step ``n`` on every rank: the stop flag, barrier points, lifecycle's checkpoint when one is due
+        and a model is watched. ``save`` says a checkpoint is due (the trainer's own, with :meth:`checkpoint`,
+        when nothing is watched); ``stop`` says every rank agreed to stop."""
+        self._open("boundary")
+        self.ctx.step = n
+        decision = self._run(lambda: self.loop.boundary(self.ctx, n))
+        return decision if decision is not None else Decision(False, False)
+
+    def save(self, n: int | None = None) -> None:
+        """Lifecycle's own checkpoint of the watched model now (two-phase commit). Every rank calls it."""
+        self._open("save")
+        if not self._watched:
+            raise UsageError("job.save(): nothing is watched; call job.watch(model, optimizer) first, or wrap the "
+                             "trainer's own save in job.checkpoint(n, path)")
+        if n is not None:
+            self.ctx.step = n
+        self._run(lambda: self.loop.save_now(self.ctx, "requested"))
+
+    @contextmanager
+    def checkpoint(self, n: int, path: str | Path | None = None) -> Iterator[Path | None]:
+        """Wrap the trainer's own save of step ``n``: bounded by the checkpoint deadline; completion agreed over
+        the store (late ranks named); with ``path`` (the ``iter_NNNNNNN`` folder the trainer wrote) rank 0 then
+        commits it: manifest, fsync, trackers. Every rank enters it at the same step."""
+        from lifecycle.phases.checkpoint import TrainerSave
+
+        self._open("checkpoint")
+        save = TrainerSave(self.ctx, self.machine, n, Path(path) if path is not None else None)
+        self._run(save.begin)
+        yield save.path
+        self._run(save.commit)
+        self.loop.saved_at = n
+
+    def close(self) -> int:
+        """The policy's teardown (success path); safe twice. Returns 0; a failed teardown leaves the process
+        with the policy's exit code, as under ``lifecycle run``."""
+        global _active
+        if self.closed:
+            return self.exit_code or 0
+        self.closed = True
+        if self._steps is not None:
+            self._steps.close()
+        try:
+            self.loop.finish(self.ctx, save=self._watched)
+        except BaseException as exc:  # noqa: BLE001 - the failure edge
+            self._die(exc)
+        self.exit_code = self.machine.finish()
+        self._after()
+        _active = None
+        if self.exit_code:
+            self._leave(self.exit_code)
+        return self.exit_code
+
+    def fail(self, exc: BaseException) -> NoReturn:
+        """Take the failure edge for ``exc`` (abort, report) and leave with the policy's exit code."""
+        self._die(exc)
+
+    def __enter__(self) -> Job:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        if exc is None:
+            self.close()
+        elif not self.closed:
+            self._die(exc)
+
+    # ---- internals ---------------------------------------------------------------------------------------
+    def _begin(self) -> None:
+        from lifecycle.worker import install_signals, start_watchdog
+
+        if threading.current_thread() is threading.main_thread():
+            install_signals(self.ctx, self.machine)
+        else:
+            log.warning("lifecycle.attach() outside the main thread: preemption signals are not handled")
+        start_watchdog(self.ctx)
+        self._run(self.machine.begin)
+        self.ctx.events.emit("begin", "setup", handler="trainer")  # the trainer's set-up: under the step deadline
+        self._setup_open = True
+
+    def _end_setup(self) -> None:
+        if self._setup_open:
+            self._setup_open = False
+            self.ctx.events.emit("end", "setup", handler="trainer")
+
+    def _watch(self, chunks: list[Module], optimizer: object) -> None:
+        ctx = self.ctx
+        self._end_setup()
+        with ctx.events.span("watch", chunks=len(chunks)):
+            from lifecycle.backends.megatron.watched import WatchedMegatron, is_megatron
+            from lifecycle.handlers.watched import WatchedModules
+
+            megatron = "megatron.core" in sys.modules and is_megatron(chunks, optimizer)
+            ctx.step_handler = WatchedMegatron(chunks, optimizer) if megatron else WatchedModules(chunks, optimizer)
+            self._guard = _zero_token_guard(ctx, self.loop, chunks)
+            if megatron:
+                from lifecycle.backends.megatron.step import record_collectives
+
+                record_collectives(ctx)
+        if ctx.policy.checkpoint.resume != "never":
+            from lifecycle.phases.checkpoint import resume
+            from lifecycle.phases.train import after_resume
+
+            resume(ctx)
+            after_resume(ctx)
+
+    def _before_first_step(self) -> bool:
+        """The stop-flag agreement before training (as ``lifecycle run``); False: stop before the first step."""
+        from lifecycle.phases.train import agree_stop
+
+        self._end_setup()
+        if self._started:
+            return not self.loop.stopped
+        self._started = True
+        if self.ctx.policy.checkpoint.on_signal and agree_stop(self.ctx):
+            log.warning("preemption signal before training: stopping without a checkpoint")
+            self.ctx.stop.stop_step = self.ctx.step
+            self.loop.stopped = True
+            return False
+        return True
+
+    def _guarded(self, steps: Generator[int, None, None]) -> Generator[int, None, None]:
+        """The step loop; an error inside lifecycle's own part of it takes the failure edge."""
+        try:
+            yield from steps
+        except GeneratorExit:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - the failure edge
+            self._die(exc)
+
+    def _run(self, fn):  # type: ignore[no-untyped-def]
+        """``fn()``; a failure inside the engine takes the failure edge (the process leaves)."""
+        try:
+            return fn()
+        except BaseException as exc:  # noqa: BLE001 - the failure edge
+            self._die(exc)
+
+    def _open(self, what: str) -> None:
+        if self.closed:
+            raise UsageError(f"job.{what}(): this Job is closed (its teardown ran); attach again for a new run")
+
+    def _die(self, exc: BaseException) -> NoReturn:
+        global _active
+        if self._dying:
+            raise exc
+        self._dying = self.closed = True
+        if self._steps is not None:  # the step span ends with this error
+            try:
+                self._steps.throw(exc)
+            except BaseException:  # noqa: BLE001 - it is the same error
+                pass
+        self.exit_code = self.machine.fail(exc)
+        self._after()
+        _active = None
+        self._leave(self.exit_code)
+
+    def _after(self) -> None:
+        """Stop the watchdog; rank 0 writes summary.json and the timeline (as the local launcher does)."""
+        if self.ctx.watchdog is not None:
+            self.ctx.watchdog.stop()
+        if self.ctx.rank == 0:
+            _write_summary(self.ctx)
+
+    @staticmethod
+    def _leave(code: int) -> NoReturn:
+        # As lifecycle run's ranks: interpreter shutdown could wait on threads or groups a dead peer left blocked.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _no_steps() -> Generator[int, None, None]:
+    yield from ()
+
+
+def _zero_token_guard(ctx: RunContext, loop: StepLoop, chunks: list[Module]) -> object | None:
+    action = ctx.policy.moe.zero_token.action
+    if action == "off":
+        return None
+    from lifecycle.moe import install_zero_token_guard
+
+    def on_event(layer: str, step: int | None, total: int) -> None:
+        ctx.events.instant("zero_token", layer=layer, step=step, count=1, total=total, action=action)
+
+    guard = install_zero_token_guard([getattr(c, "module", c) for c in chunks], action, rank=ctx.rank,
+                                     on_event=on_event)
+    loop.on_step.append(guard.set_step)
+    return guard
+
+
+def _write_summary(ctx: RunContext) -> None:
+    """Rank 0, after its own exit event: wait (bounded) for every rank's, then summary.json and the timeline."""
+    from lifecycle.obs import summary
+    from lifecycle.obs.events import read_events
+    from lifecycle.runner import _timeline
+
+    ends = time.monotonic() + SUMMARY_WAIT_S
+    while time.monotonic() < ends:
+        events = read_events(ctx.run_dir)
+        if all(any(e.get("name") == "exit" for e in events.get(r, [])) for r in range(ctx.world_size)):
+            break
+        time.sleep(0.1)
+    try:
+        info = summary.build(ctx.run_dir)
+        summary.write(ctx.run_dir, info)
+        _timeline(ctx.run_dir)
+    except Exception as exc:  # noqa: BLE001 - a report must not fail a finished run
+        log.warning("summary not written: %s", exc)

@@ -140,7 +140,7 @@ class Job:
 
         self.ctx = ctx
         self.machine: Orchestrator = Orchestrator(ctx)
-        self.loop = StepLoop(self.machine.checkpoint)
+        self.loop = StepLoop(None)  # lifecycle's own checkpoints once a model is watched
         self.closed = False
         self.exit_code: int | None = None
         self._watched = False
@@ -301,6 +301,7 @@ class Job:
 
             megatron = "megatron.core" in sys.modules and is_megatron(chunks, optimizer)
             ctx.step_handler = WatchedMegatron(chunks, optimizer) if megatron else WatchedModules(chunks, optimizer)
+            self.loop.checkpoint = self.machine.checkpoint
             self._guard = _zero_token_guard(ctx, self.loop, chunks)
             if megatron:
                 from lifecycle.backends.megatron.step import record_collectives

@@ -1,0 +1,166 @@
+"""examples/own_loop/megatron_core_loop.py under torchrun at world 4 (gloo, real megatron-core GPT-MoE, EP=2):
+the trainer owns its loop and adopts lifecycle with ``attach``/``watch``/``steps``.
+
+Each test is one or two launches (~20 s each on 2 cores); faults come from outside the lifecycle engine: a hang in
+the trainer's own step, a SIGTERM sent to one rank's process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from lifecycle.obs.events import read_events
+from tests._dist import free_port
+from tests.helpers import ROOT
+
+pytestmark = [pytest.mark.distributed]
+EXAMPLE = ROOT / "examples" / "own_loop" / "megatron_core_loop.py"
+
+
+def _cmd(nproc: int, args: list[str], overrides: list[str]) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id",
+            f"own-{os.getpid()}-{time.monotonic_ns()}", str(EXAMPLE), *args, "--", *overrides]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def _run(tmp_path: Path, args: list[str], *overrides: str, nproc: int = 4,
+         timeout: float = 100) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(_cmd(nproc, args, [f"run.dir={tmp_path / 'run'}", *overrides]), capture_output=True,
+                          text=True, timeout=timeout, env=_env(), cwd=tmp_path)
+
+
+def _exits(run_dir: Path) -> dict[int, int]:
+    return {r: [e for e in evs if e["name"] == "exit"][-1]["exit_code"] for r, evs in read_events(run_dir).items()}
+
+
+@pytest.mark.timeout(170)
+def test_the_own_loop_warms_saves_commits_and_a_rerun_resumes(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    proc = _run(tmp_path, ["--steps", "4"], "checkpoint.every_steps=2")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert _exits(run) == {0: 0, 1: 0, 2: 0, 3: 0}
+    warmed = {e["group"] for e in read_events(run)[1] if e["name"] == "warm:all_reduce" and e["kind"] == "end"}
+    assert {"ep", "edp=intra_edp", "dp", "world"} <= warmed, warmed
+    ckpt = run / "checkpoints"
+    assert (ckpt / "latest").read_text().strip() == "iter_0000004"
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    assert (ckpt / "iter_0000002" / "manifest.json").is_file() and (ckpt / "iter_0000004" / "metadata.json").is_file()
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["loss"]["steps"] == 4 and summary["loss"]["last"] < summary["loss"]["first"]
+    assert [c["step"] for c in summary["checkpoints"] if c["committed"]] == [2, 4]
+    spans = {e["name"] for e in read_events(run)[0] if e["kind"] == "end"}
+    assert {"grad_reduce", "step", "watch", "setup", "commit"} <= spans, spans  # DDP buckets traced as spans
+    last_loss = summary["loss"]["last"]
+
+    again = _run(tmp_path, ["--steps", "6"], "checkpoint.every_steps=2")
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-4000:]
+    assert "attempt 2: resumed from step 4" in again.stdout
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["attempt"] == 2 and summary["resumed_from"] == 4 and summary["last_step"] == 6
+    assert summary["loss"]["steps"] == 2 and summary["loss"]["first"] < last_loss + 0.5  # the trained model, resumed
+    assert (run / "attempts" / "1" / "summary.json").is_file()
+    assert (ckpt / "latest").read_text().strip() == "iter_0000006"
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_frozen_in_the_trainers_step_is_named_and_every_rank_exits_with_the_hang_code(tmp_path: Path) -> None:
+    t0 = time.monotonic()
+    proc = _run(tmp_path, ["--steps", "6", "--freeze", "2:3"], "watchdog.deadlines.step=5")
+    took = time.monotonic() - t0
+    run = tmp_path / "run"
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    assert set(_exits(run).values()) == {3}, _exits(run)
+    report = json.loads((run / "hang_report.json").read_text())
+    assert report["cause"] == "hang" and 2 in report["culprits"], report
+    assert {w["step"] for w in report["waits"].values()} == {3}
+    assert "HANG" in proc.stderr and "ranks named: [2" in proc.stderr
+    assert took < 60, took  # start-up (~15 s) + the 5 s deadline + the exit, never the hour the step sleeps
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_to_one_rank_saves_on_every_rank_and_exits_0(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    proc = subprocess.Popen(_cmd(4, ["--steps", "40", "--step-sleep", "0.3"], [f"run.dir={run}"]),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), cwd=tmp_path)
+    try:
+        target = _wait_for_step(run, rank=1, step=2, deadline_s=80)
+        os.kill(target, signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out[-4000:]
+    stop = [e for e in read_events(run)[0] if e["name"] == "exit"][-1]["stop_step"]
+    assert stop is not None and 2 <= stop < 40
+    assert _exits(run) == {0: 0, 1: 0, 2: 0, 3: 0}
+    assert (run / "checkpoints" / "latest").read_text().strip() == f"iter_{stop:07d}"
+    assert f"preempted at step {stop}, saved" in out
+
+
+def _wait_for_step(run: Path, *, rank: int, step: int, deadline_s: float) -> int:
+    """The pid of ``rank`` once its events show ``step`` done."""
+    ends = time.monotonic() + deadline_s
+    while time.monotonic() < ends:
+        path = run / "events" / f"rank_{rank}.jsonl"
+        if path.is_file() and f'"name": "stop_flag"' in path.read_text() and any(
+                e["name"] == "step" and e["kind"] == "end" and e.get("step", 0) >= step
+                for e in read_events(run).get(rank, [])):
+            for pid in _pids(EXAMPLE.name):
+                if f"RANK={rank}" in _environ(pid):
+                    return pid
+        time.sleep(0.2)
+    raise AssertionError(f"rank {rank} never finished step {step}")
+
+
+def _pids(name: str) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if name in (d / "cmdline").read_bytes().decode(errors="replace"):
+                    out.append(int(d.name))
+            except OSError:
+                continue
+    return out
+
+
+def _environ(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+
+
+@pytest.mark.timeout(120)
+def test_the_trainers_own_save_is_wrapped_committed_and_tracked(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    proc = _run(tmp_path, ["--steps", "4", "--own-save"], "checkpoint.every_steps=2")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    own = run / "own_checkpoints"
+    assert (own / "latest").read_text().strip() == "iter_0000004"
+    assert (own / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    assert sorted(p.name for p in own.glob("iter_*")) == ["iter_0000002", "iter_0000004"]
+    assert (own / "iter_0000002" / "manifest.json").is_file()
+    assert not (run / "checkpoints" / "latest").exists()  # lifecycle saved nothing of its own
+    names = [e["name"] for e in read_events(run)[3] if e["kind"] == "end"]
+    assert names.count("barrier:ckpt_written") == 2 and names.count("commit") == 2
+
+
+@pytest.mark.timeout(120)
+def test_a_live_layout_that_is_not_the_policys_fails_on_every_rank_naming_both(tmp_path: Path) -> None:
+    proc = _run(tmp_path, ["--steps", "2", "--ep", "2"], "parallelism.ep=1", nproc=2)
+    assert proc.returncode != 0
+    err = proc.stderr
+    assert err.count("parallelism.ep: the trainer's model-parallel groups have ep=2, the policy 1") == 2, err[-3000:]
+    assert "PolicyError" in err

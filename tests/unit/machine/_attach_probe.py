@@ -1,0 +1,68 @@
+"""Run by test_job.py in its own process: one gloo rank exercises the Job's public face; prints JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+import lifecycle
+
+OVR = sys.argv[1:]
+out: dict[str, object] = {}
+
+
+def expect(name: str, fn) -> None:  # type: ignore[no-untyped-def]
+    try:
+        fn()
+        out[name] = None
+    except lifecycle.LifecycleError as exc:
+        out[name] = [type(exc).__name__, str(exc), exc.exit_code]
+
+
+def train(job: lifecycle.Job, model: torch.nn.Module, opt: torch.optim.Optimizer, total: int) -> list[int]:
+    done = []
+    for step in job.steps(total):
+        loss = model(torch.ones(2, 4) * step).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        job.report(loss=float(loss))
+        done.append(step)
+    return done
+
+
+port = os.environ.pop("PORT")
+for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+    os.environ.pop(name, None)
+expect("no_env", lambda: lifecycle.attach(overrides=OVR))
+os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+
+job = lifecycle.attach(overrides=OVR)
+expect("twice", lambda: lifecycle.attach(overrides=OVR))
+expect("watch_non_module", lambda: job.watch("model"))
+expect("watch_list_of_junk", lambda: job.watch([torch.nn.Linear(2, 2), 3]))
+expect("save_unwatched", lambda: job.save(0))
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+job.watch(model, opt)
+expect("watch_twice", lambda: job.watch(model, opt))
+expect("steps_negative", lambda: job.steps(-1))
+out["steps_done"] = train(job, model, opt, 3)
+out["close"] = job.close()
+out["close_again"] = job.close()
+expect("steps_after_close", lambda: job.steps(5))
+expect("boundary_after_close", lambda: job.boundary(1))
+
+again = lifecycle.attach(overrides=OVR)
+fresh = torch.nn.Linear(4, 1)
+fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.01)
+again.watch(fresh, fresh_opt)
+out["resumed"] = again.start_step
+out["weights_restored"] = bool(torch.equal(fresh.weight, model.weight))
+out["steps_again"] = train(again, fresh, fresh_opt, 5)
+again.close()
+print(json.dumps(out))

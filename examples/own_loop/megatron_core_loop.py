@@ -138,6 +138,7 @@ def own_loop_with_own_save(job: lifecycle.Job, model, optimizer, args) -> None: 
     """A trainer that keeps control: its own loop and its own dist_checkpointing.save, wrapped by lifecycle."""
     from pathlib import Path
 
+    job.watch(model, checkpoints=False)  # lifecycle: zero-token guard and DDP spans; saves stay the trainer's
     save_dir = Path(job.run_dir) / "own_checkpoints"
     for step in range(1, args.steps + 1):
         with job.step(step):  # lifecycle: the step span and its deadline

@@ -144,6 +144,7 @@ class Job:
         self.closed = False
         self.exit_code: int | None = None
         self._watched = False
+        self._checkpoints = False
         self._guard: object | None = None
         self._started = False
         self._steps: Generator[int, None, None] | None = None
@@ -169,16 +170,18 @@ class Job:
         """Every rank agreed to stop (preemption): save and leave the loop."""
         return self.ctx.stop.stop_step is not None
 
-    def watch(self, model: object, optimizer: object = None) -> Job:
+    def watch(self, model: object, optimizer: object = None, *, checkpoints: bool = True) -> Job:
         """Guard the model's zero-token MoE ranks (``moe.zero_token``), record megatron DDP bucket collectives as
-        spans, and register model + optimizer for lifecycle's checkpoints; resume from the last committed one
-        (``checkpoint.resume``). Every rank calls it once, before the first step (resume is collective on the
-        default group)."""
+        spans, and (``checkpoints``) register model + optimizer for lifecycle's checkpoints and resume from the last
+        committed one (``checkpoint.resume``). A trainer that keeps its own save and load passes
+        ``checkpoints=False`` and wraps its save in :meth:`checkpoint`. Every rank calls it once, before the first
+        step (resume is collective on the default group)."""
         self._open("watch")
         chunks = _modules(model)
         if self._watched:
             raise UsageError("job.watch() was called already: watch every model chunk in one call (a list)")
         self._watched = True
+        self._checkpoints = checkpoints
         self._run(lambda: self._watch(chunks, optimizer))
         return self
 
@@ -220,9 +223,9 @@ class Job:
     def save(self, n: int | None = None) -> None:
         """Lifecycle's own checkpoint of the watched model now (two-phase commit). Every rank calls it."""
         self._open("save")
-        if not self._watched:
-            raise UsageError("job.save(): nothing is watched; call job.watch(model, optimizer) first, or wrap the "
-                             "trainer's own save in job.checkpoint(n, path)")
+        if not self._checkpoints:
+            raise UsageError("job.save(): no model is watched for lifecycle's checkpoints; call job.watch(model, "
+                             "optimizer) first, or wrap the trainer's own save in job.checkpoint(n, path)")
         if n is not None:
             self.ctx.step = n
         self._run(lambda: self.loop.save_now(self.ctx, "requested"))
@@ -251,7 +254,7 @@ class Job:
         if self._steps is not None:
             self._steps.close()
         try:
-            self.loop.finish(self.ctx, save=self._watched)
+            self.loop.finish(self.ctx, save=self._checkpoints)
         except BaseException as exc:  # noqa: BLE001 - the failure edge
             self._die(exc)
         self.exit_code = self.machine.finish()
@@ -300,14 +303,16 @@ class Job:
             from lifecycle.handlers.watched import WatchedModules
 
             megatron = "megatron.core" in sys.modules and is_megatron(chunks, optimizer)
-            ctx.step_handler = WatchedMegatron(chunks, optimizer) if megatron else WatchedModules(chunks, optimizer)
-            self.loop.checkpoint = self.machine.checkpoint
+            if self._checkpoints:
+                ctx.step_handler = WatchedMegatron(chunks, optimizer) if megatron else WatchedModules(chunks,
+                                                                                                      optimizer)
+                self.loop.checkpoint = self.machine.checkpoint
             self._guard = _zero_token_guard(ctx, self.loop, chunks)
-            if megatron:
+            if "megatron.core" in sys.modules and all(hasattr(c, "ddp_config") for c in chunks):
                 from lifecycle.backends.megatron.step import record_collectives
 
                 record_collectives(ctx)
-        if ctx.policy.checkpoint.resume != "never":
+        if self._checkpoints and ctx.policy.checkpoint.resume != "never":
             from lifecycle.phases.checkpoint import resume
             from lifecycle.phases.train import after_resume
 

@@ -113,7 +113,7 @@ def _wait_for_step(run: Path, *, rank: int, step: int, deadline_s: float) -> int
     ends = time.monotonic() + deadline_s
     while time.monotonic() < ends:
         path = run / "events" / f"rank_{rank}.jsonl"
-        if path.is_file() and f'"name": "stop_flag"' in path.read_text() and any(
+        if path.is_file() and '"name": "stop_flag"' in path.read_text() and any(
                 e["name"] == "step" and e["kind"] == "end" and e.get("step", 0) >= step
                 for e in read_events(run).get(rank, [])):
             for pid in _pids(EXAMPLE.name):

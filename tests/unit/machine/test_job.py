@@ -53,6 +53,6 @@ def test_caller_mistakes_are_clear_errors_and_a_closed_job_can_be_attached_again
     assert out["steps_done"] == [1, 2, 3] and out["close"] == 0 and out["close_again"] == 0
     assert "this Job is closed" in out["steps_after_close"][1] and "this Job is closed" in out["boundary_after_close"][1]
     assert out["resumed"] == 3 and out["weights_restored"] is True and out["steps_again"] == [4, 5]
-    assert out["save_unwatched"][0] == "UsageError" and "nothing is watched" in out["save_unwatched"][1]
+    assert out["save_unwatched"][0] == "UsageError" and "no model is watched" in out["save_unwatched"][1]
     latest = (tmp_path / "run" / "checkpoints" / "latest").read_text().strip()
     assert latest == "iter_0000005"

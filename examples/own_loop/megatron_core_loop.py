@@ -109,10 +109,11 @@ def main() -> None:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    else:  # CPU only: megatron's MoE and dist_checkpointing need lifecycle's small compatibility layer
-        from lifecycle.backends.megatron.cpu_compat import apply_cpu_compat
+    # Without Transformer Engine (and on a CPU) megatron-core 0.16.1's MoE and dist_checkpointing need a small
+    # compatibility layer; on a GPU it only fixes the MoE router's missing te_general_gemm.
+    from lifecycle.backends.megatron.cpu_compat import apply_cpu_compat
 
-        apply_cpu_compat()
+    apply_cpu_compat()
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=120))
     ps.initialize_model_parallel(tensor_model_parallel_size=args.tp, expert_model_parallel_size=args.ep)
     overrides = [f"parallelism.tp={args.tp}", f"parallelism.ep={args.ep}", *overrides]

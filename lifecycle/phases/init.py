@@ -69,9 +69,10 @@ class InitPhase:
 
         from lifecycle.distributed.barrier import get_store
 
-        backend = pick_backend(ctx.policy.distributed.backend)
+        adopted = dist.is_initialized()  # the trainer's own group (lifecycle.attach): used as it is
+        backend = str(dist.get_backend()) if adopted else pick_backend(ctx.policy.distributed.backend)
         kwargs: dict[str, object] = {}
-        if backend == "nccl":
+        if backend == "nccl" and not adopted:
             nccl_env(ctx)
             torch.cuda.set_device(ctx.local_rank)
             if ctx.policy.distributed.eager_init:  # accelerator only: the communicator is created now
@@ -81,8 +82,8 @@ class InitPhase:
         with ctx.events.span("import:backend"):
             ctx.parallel.load()
         ctx.drills.fire("init", op="init_process_group")
-        with ctx.events.span("init_process_group", group="world", backend=backend):
-            if not dist.is_initialized():
+        with ctx.events.span("init_process_group", group="world", backend=backend, adopted=adopted or None):
+            if not adopted:
                 dist.init_process_group(backend, timeout=datetime.timedelta(seconds=ctx.deadline("init")),
                                         rank=ctx.rank, world_size=ctx.world_size, **kwargs)
         ctx.store = get_store()

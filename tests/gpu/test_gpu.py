@@ -79,3 +79,28 @@ def test_async_save_on_cuda_resumes_to_the_same_losses(tmp_path: Path) -> None:
     assert sorted(c) == [5, 6]
     for step in (5, 6):
         assert c[step] == pytest.approx(a[step], rel=1e-4)
+
+
+@pytest.mark.timeout(240)
+def test_the_own_megatron_loop_adopts_lifecycle_on_nccl_and_resumes(tmp_path: Path) -> None:
+    """examples/own_loop at world 1 on the GPU: the trainer's own NCCL group and megatron groups are adopted,
+    warmed, the model checkpointed from CUDA and resumed by a second launch."""
+    import subprocess
+
+    from tests.examples.test_own_loop import _cmd, _env
+
+    def launch(steps: int) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(_cmd(1, ["--ep", "1", "--steps", str(steps)],
+                                   [f"run.dir={tmp_path / 'run'}", "checkpoint.every_steps=2"]),
+                              capture_output=True, text=True, timeout=110, env=_env(), cwd=tmp_path)
+
+    first = launch(4)
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-4000:]
+    events = _events(tmp_path / "run")
+    init = next(e for e in events if e["name"] == "init_process_group" and e["kind"] == "begin")
+    assert init["backend"] == "nccl"
+    assert any(e["name"] == "warm:all_reduce" and e.get("mem_free_before") for e in events)
+    again = launch(6)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-4000:]
+    assert "resumed from step 4" in again.stdout
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "iter_0000006"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -56,6 +57,9 @@ def test_this_environment_is_the_locked_one() -> None:
     venv = Path(sys.prefix)
     if not (venv / ".lifecycle-installed").exists():
         pytest.skip(f"{venv} is not an environment made by `make test`")
-    here = {canonicalize_name(d.metadata["Name"]): Version(d.version) for d in importlib.metadata.distributions()
+    # Installed distributions only: once setuptools is imported its vendored packages' metadata is on sys.path too.
+    site = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
+    here = {canonicalize_name(d.metadata["Name"]): Version(d.version)
+            for d in importlib.metadata.distributions(path=site)
             if canonicalize_name(d.metadata["Name"]) != "megatron-lifecycle"}
     assert diff(pins(TEXT), here) == []

@@ -272,7 +272,9 @@ class Job:
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        if exc is None:
+        """No exception, or ``sys.exit(0)`` (a trainer's own clean exit): :meth:`close`. Any other exception: the
+        failure edge, and the process leaves with the policy's exit code."""
+        if exc is None or (isinstance(exc, SystemExit) and exc.code in (0, None)):
             self.close()
         elif not self.closed:
             self._die(exc)

@@ -65,4 +65,14 @@ out["resumed"] = again.start_step
 out["weights_restored"] = bool(torch.equal(fresh.weight, model.weight))
 out["steps_again"] = train(again, fresh, fresh_opt, 5)
 again.close()
-print(json.dumps(out))
+print(json.dumps(out), flush=True)
+
+# sys.exit(0) inside `with` is a clean close; any other exception takes the failure edge and the process leaves
+# with the policy's code (rank_failed: 4) after the failure teardown.
+try:
+    with lifecycle.attach(overrides=OVR) as job:
+        sys.exit(0)
+except SystemExit:
+    print("clean exit closed:", job.closed, job.exit_code, flush=True)
+with lifecycle.attach(overrides=OVR) as job:
+    raise ValueError("the trainer's own bug")

@@ -40,8 +40,11 @@ def test_caller_mistakes_are_clear_errors_and_a_closed_job_can_be_attached_again
     overrides = [*SYNTHETIC, *FAST, f"run.dir={tmp_path / 'run'}", "checkpoint.every_steps=2"]
     proc = subprocess.run([sys.executable, str(PROBE), *overrides], capture_output=True, text=True, timeout=100,
                           env=env, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert proc.returncode == 4, proc.stdout[-2000:] + proc.stderr[-4000:]  # the last `with` raised
+    lines = proc.stdout.strip().splitlines()
+    assert "clean exit closed: True 0" in lines
+    assert "ValueError" in proc.stderr and "the trainer's own bug" in proc.stderr
+    out = json.loads(next(line for line in lines if line.startswith("{")))
     no_env = out["no_env"]
     assert no_env[0] == "UsageError" and no_env[2] == 2
     assert "no process group and no launcher environment" in no_env[1] and "torchrun" in no_env[1]
@@ -56,3 +59,6 @@ def test_caller_mistakes_are_clear_errors_and_a_closed_job_can_be_attached_again
     assert out["save_unwatched"][0] == "UsageError" and "no model is watched" in out["save_unwatched"][1]
     latest = (tmp_path / "run" / "checkpoints" / "latest").read_text().strip()
     assert latest == "iter_0000005"
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())  # the failed attempt's, by rank 0
+    assert summary["attempt"] == 4 and summary["exit_code_per_rank"] == {"0": 4}
+    assert summary["failures"][0]["error"] == "ValueError"

@@ -29,6 +29,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from lifecycle import safeio
+
 log = logging.getLogger(__name__)
 
 TRACKER = "latest"
@@ -58,12 +60,7 @@ def fsync_dir(path: Path) -> None:
 
 
 def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    safeio.write_text(path, text, fsync=True)
 
 
 # ---- completeness ----------------------------------------------------------------------------------
@@ -91,8 +88,10 @@ def problem(folder: Path) -> str | None:
     if not manifest.exists():
         return None
     try:
-        files = json.loads(manifest.read_bytes()[:16 << 20].decode())["files"]
+        files = safeio.read_json(manifest, limit=16 << 20)["files"]  # type: ignore[index,call-overload]
         listed = {str(k): int(v) for k, v in files.items()}
+    except safeio.RunDirError as exc:
+        return f"{MANIFEST} is unreadable ({str(exc).split(': ', 1)[-1].split(';')[0]})"
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         return f"{MANIFEST} is unreadable ({type(exc).__name__})"
     for name, size in listed.items():
@@ -131,8 +130,10 @@ def read_tracker(root: Path) -> Tracker:
         if not path.exists() and not path.is_symlink():
             continue
         try:
-            with open(path, "rb") as f:
+            with safeio.open_regular(path) as f:  # a FIFO there would block a plain open() forever
                 raw = f.read(_TRACKER_MAX_BYTES + 1)
+        except safeio.RunDirError as exc:
+            return Tracker(path, error=str(exc).split(": ", 1)[-1].split(";")[0])
         except OSError as exc:
             return Tracker(path, error=f"cannot be read ({exc.strerror or exc})")
         if len(raw) > _TRACKER_MAX_BYTES:

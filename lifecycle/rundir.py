@@ -30,6 +30,7 @@ import os
 import time
 from pathlib import Path
 
+from lifecycle import safeio
 from lifecycle.jsontypes import JsonDict
 
 RESOLVED = "policy.resolved.yaml"
@@ -77,9 +78,8 @@ def error_file(run_dir: Path, rank: int) -> Path:
 
 def write_marker(run_dir: Path, reason: str, **fields: object) -> None:
     """Write the shutdown marker atomically (a rank never reads half a marker)."""
-    tmp = Path(run_dir) / f"{SHUTDOWN_MARKER}.tmp"
-    tmp.write_text(json.dumps({"t": time.time(), "reason": reason, **fields}) + "\n")
-    tmp.replace(Path(run_dir) / SHUTDOWN_MARKER)
+    safeio.write_text(Path(run_dir) / SHUTDOWN_MARKER,
+                      json.dumps({"t": time.time(), "reason": reason, **fields}) + "\n")
 
 
 def read_marker(run_dir: Path) -> JsonDict | None:
@@ -87,10 +87,7 @@ def read_marker(run_dir: Path) -> JsonDict | None:
     path = Path(run_dir) / SHUTDOWN_MARKER
     if not path.exists():
         return None
-    try:
-        info = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
+    info = safeio.try_json(path, limit=1 << 16)  # never blocks, whatever is there
     return info if isinstance(info, dict) else {}
 
 
@@ -105,10 +102,10 @@ def clear_marker(run_dir: Path) -> None:
 def last_event(run_dir: Path, rank: int) -> JsonDict | None:
     """The rank's ``failure`` event, else its last complete JSON line (a kill can cut the last one short)."""
     try:
-        with events_file(run_dir, rank).open("rb") as f:
+        with safeio.open_regular(events_file(run_dir, rank)) as f:
             f.seek(max(f.seek(0, os.SEEK_END) - 65536, 0))
             tail = f.read()
-    except OSError:
+    except (OSError, safeio.RunDirError):
         return None
     last = None
     for line in reversed(tail.splitlines()):
@@ -132,10 +129,16 @@ def holds_run(run_dir: Path) -> bool:
 
 def current_attempt(run_dir: Path) -> int:
     """The attempt recorded in ``run_dir`` (1 when a run is there without a record, 0 when none is)."""
-    try:
-        return max(int((Path(run_dir) / ATTEMPT).read_text().strip()), 1)
-    except (OSError, ValueError):
+    path = Path(run_dir) / ATTEMPT
+    text = safeio.read_text(path, limit=64)  # a FIFO or junk there is an error naming it, never a hang
+    if text is None:
         return 1 if holds_run(run_dir) else 0
+    try:
+        return max(int(text.strip()), 1)
+    except ValueError:
+        raise safeio.RunDirError(f"{path}: holds {text.strip()[:40]!r}, not an attempt number; lifecycle writes it "
+                                 f"(fix it, or remove it to count from the attempts/ folders)",
+                                 path=str(path)) from None
 
 
 def archive_attempt(run_dir: Path) -> int:
@@ -153,7 +156,7 @@ def archive_attempt(run_dir: Path) -> int:
                 os.replace(run_dir / name, target / name)
         for local in run_dir.glob(local_report_name("*")):  # the ranks' local reports (side channel lost)
             os.replace(local, target / local.name)
-    (run_dir / ATTEMPT).write_text(f"{previous + 1}\n")
+    safeio.write_text(run_dir / ATTEMPT, f"{previous + 1}\n")
     return previous + 1
 
 
@@ -183,19 +186,19 @@ def rank_attempt(run_dir: Path, rank: int) -> int:
         for name in _PER_ATTEMPT:
             if name not in (EVENTS_DIR, LOGS_DIR, RESOLVED, SHA256) and (run_dir / name).exists():
                 os.replace(run_dir / name, target / name)
-        (run_dir / ATTEMPT).write_text(f"{previous + 1}\n")
+        safeio.write_text(run_dir / ATTEMPT, f"{previous + 1}\n")
     return previous + 1
 
 
 def _start_attempt(run_dir: Path) -> int:
-    (run_dir / ATTEMPT).write_text("1\n")
+    safeio.write_text(run_dir / ATTEMPT, "1\n")
     return 1
 
 
 def _first_attempt(path: Path) -> int | None:
     """The ``attempt`` of the first event in ``path`` (1 for files written before attempts were recorded)."""
     try:
-        with path.open("rb") as f:
+        with safeio.open_regular(path) as f:
             first = f.readline(1 << 16)
     except OSError:
         return None
@@ -213,10 +216,10 @@ def earlier_attempts(run_dir: Path) -> list[JsonDict]:
     numbers = sorted(int(p.name) for p in root.iterdir() if p.name.isdigit()) if root.is_dir() else []
     for n in numbers:
         info: JsonDict = {"attempt": n}
-        try:
-            s = json.loads((root / str(n) / SUMMARY).read_text())
+        s = safeio.try_json(root / str(n) / SUMMARY)  # a FIFO, junk or 10^5 brackets there: no summary
+        if isinstance(s, dict):
             info.update({k: s.get(k) for k in ("exit_code", "outcome", "resumed_from", "stop_step", "last_step")})
-        except (OSError, ValueError, AttributeError):
+        else:
             info["outcome"] = "no summary (the launcher did not finish)"
         out.append(info)
     return out

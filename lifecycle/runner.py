@@ -81,7 +81,7 @@ def _layout_issues(policy: Policy, world_size: int) -> list[PolicyIssue]:
 
 def launch(policy: Policy, nproc: int, *, overrides: Sequence[str] = ()) -> int:
     """Write the resolved policy, start the ranks, print and write the summary."""
-    from lifecycle import rundir
+    from lifecycle import rundir, safeio
     from lifecycle.launch import launch_local
     from lifecycle.obs import summary
     from lifecycle.policy.load import write_resolved
@@ -93,7 +93,7 @@ def launch(policy: Policy, nproc: int, *, overrides: Sequence[str] = ()) -> int:
     preflight(policy, nproc)
     attempt = rundir.archive_attempt(run_dir)
     write_resolved(policy, run_dir)
-    (run_dir / rundir.OVERRIDES).write_text("".join(f"{o}\n" for o in overrides))
+    safeio.write_text(run_dir / rundir.OVERRIDES, "".join(f"{o}\n" for o in overrides))
     again = f"attempt {attempt}, " if attempt > 1 else ""
     print(f"lifecycle: {again}{nproc} ranks, run directory {run_dir}", flush=True)
     result = launch_local([sys.executable, "-m", "lifecycle.worker", str(run_dir)], nproc, run_dir,
@@ -141,7 +141,7 @@ def _run_as_rank(overrides: Sequence[str], config_dir: str | None, config_name: 
 def prepare_rank_dir(policy: Policy, rank: int, world: int, overrides: Sequence[str], *, hint: str) -> Path:
     """One rank of a job started by another launcher (torchrun, srun, a trainer's own): rank 0 checks what can be
     checked before init and writes the resolved policy; every rank checks the folders. The run directory."""
-    from lifecycle import rundir
+    from lifecycle import rundir, safeio
     from lifecycle.policy.load import write_resolved
 
     run_dir = Path(policy.run.dir).resolve()
@@ -151,7 +151,7 @@ def prepare_rank_dir(policy: Policy, rank: int, world: int, overrides: Sequence[
                              f"run id ({hint}) or checkpoint.resume=auto to continue it")
         preflight(policy, world)
         write_resolved(policy, run_dir)
-        (run_dir / rundir.OVERRIDES).write_text("".join(f"{o}\n" for o in overrides))
+        safeio.write_text(run_dir / rundir.OVERRIDES, "".join(f"{o}\n" for o in overrides))
     else:
         from lifecycle import preflight as checks
 

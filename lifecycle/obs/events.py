@@ -21,6 +21,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from lifecycle import safeio
+
 
 def now_us() -> int:
     return time.time_ns() // 1000
@@ -38,7 +40,8 @@ class EventLog:
         self._buf: list[str] = []
         self._lock = threading.Lock()
         self._flush_every = flush_every
-        self._file: Any = open(self.path, "a", buffering=1 << 16)  # noqa: SIM115 - closed in close()
+        # Opened non-blocking first: a FIFO or device left under this name is an error naming it, not a hang.
+        self._file: Any = os.fdopen(safeio.open_append(self.path), "a", buffering=1 << 16)
         self.listeners: list[Any] = []
         """Callables given every event dict as it is emitted (the watchdog listens here); keep them O(1)."""
         self.on_close: list[Any] = []
@@ -152,7 +155,7 @@ def _read_lines(path: Path, problems: list[str] | None) -> tuple[list[dict[str, 
     events: list[dict[str, Any]] = []
     bad = 0
     try:
-        with open(path, "rb") as f:
+        with safeio.open_regular(path) as f:  # a FIFO named like an event file would block a plain open()
             for raw in f:
                 try:
                     event = json.loads(raw.decode("utf-8"))
@@ -162,6 +165,8 @@ def _read_lines(path: Path, problems: list[str] | None) -> tuple[list[dict[str, 
                     events.append(event)
                 elif raw.strip():
                     bad += 1
+    except safeio.RunDirError as exc:
+        _note(problems, f"{path.name}: skipped: {str(exc).split(': ', 1)[-1].split(';')[0]}")
     except OSError as exc:
         _note(problems, f"{path.name}: cannot read ({exc.strerror or exc}); the rest of the file skipped")
     return events, bad

@@ -89,7 +89,13 @@ def plot(events: dict[int, list[dict[str, Any]]], path: Path, *, title: str = ""
         fig.legend(list(handles.values()), list(handles), loc="outside right upper", fontsize=8, frameon=False)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format="png", dpi=dpi)
+    import io
+
+    from lifecycle import safeio
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    safeio.write_bytes(path, buf.getvalue())  # replaced atomically: a FIFO left at the path is never opened
     return path
 
 

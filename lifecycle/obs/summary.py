@@ -12,6 +12,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from lifecycle import safeio
 from lifecycle.machine.graph import PHASES
 from lifecycle.obs.events import read_events
 from lifecycle.obs.spans import Span, phase_of, rank_spans, valid_events
@@ -198,10 +199,7 @@ def blame(run_dir: Path, s: dict[str, Any]) -> dict[str, Any] | None:
     usually a healthy one that reported it. A configuration error is on nobody's rank.
     """
     report = Path(run_dir) / HANG_REPORT
-    try:
-        data = json.loads(report.read_text()) if report.is_file() else None
-    except (OSError, ValueError):
-        data = None
+    data = safeio.try_json(report, limit=1 << 24)
     if isinstance(data, dict) and data.get("cause") not in (None, "usage"):
         return {"ranks": [int(r) for r in data.get("culprits") or []], "cause": data.get("cause"),
                 "phase": data.get("phase"), "source": HANG_REPORT, "detail": str(data.get("detail", ""))[:300]}
@@ -218,7 +216,7 @@ def blame(run_dir: Path, s: dict[str, Any]) -> dict[str, Any] | None:
 
 def write(run_dir: Path, summary: dict[str, Any]) -> Path:
     path = Path(run_dir) / SUMMARY
-    path.write_text(json.dumps(summary, indent=1, default=str))
+    safeio.write_text(path, json.dumps(summary, indent=1, default=str))  # replaces whatever is there, a FIFO too
     return path
 
 

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from lifecycle import safeio
 from lifecycle.errors import ExitCode, UsageError
 from lifecycle.obs.events import read_events
 from lifecycle.obs.spans import COMMON_KEYS, Span, rank_spans, valid_events
@@ -138,16 +139,13 @@ def write_trace(trace: dict[str, Any], path: Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     data = json.dumps(trace, separators=(",", ":"), default=str).encode()
-    path.write_bytes(gzip.compress(data) if path.suffix == ".gz" else data)
+    safeio.write_bytes(path, gzip.compress(data) if path.suffix == ".gz" else data)
     return path
 
 
 def _run_meta(run_dir: Path) -> dict[str, Any]:
     """The launcher's verdict from summary.json, when the run wrote one."""
-    try:
-        s = json.loads((run_dir / "summary.json").read_text())
-    except (OSError, ValueError, RecursionError):
-        return {}
+    s = safeio.try_json(run_dir / "summary.json", limit=1 << 24)
     keep = ("outcome", "exit_code", "first_failure", "failed_phase", "wall_s")
     return {k: s[k] for k in keep if k in s} if isinstance(s, dict) else {}
 

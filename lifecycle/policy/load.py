@@ -24,6 +24,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from lifecycle import safeio
 from lifecycle.errors import PolicyError, PolicyIssue
 from lifecycle.policy import yamlguard
 from lifecycle.policy.errors import clip, from_hydra, from_omegaconf, from_validation
@@ -205,8 +206,8 @@ def write_resolved(policy: Policy, run_dir: Path) -> Path:
     """Write the resolved policy and its sha256 into the run directory."""
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / RESOLVED
-    path.write_text(yaml.safe_dump(to_plain(policy), sort_keys=False))
-    (run_dir / SHA256).write_text(sha256(policy) + "\n")
+    safeio.write_text(path, yaml.safe_dump(to_plain(policy), sort_keys=False))
+    safeio.write_text(run_dir / SHA256, sha256(policy) + "\n")
     return path
 
 

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lifecycle import rundir
+from lifecycle import rundir, safeio
 from lifecycle.jsontypes import JsonDict
 from lifecycle.rundir import HANG_REPORT, local_report_name
 from lifecycle.watchdog import diagnosis
@@ -79,13 +79,13 @@ def dump_stacks_of(ctx: RunContext) -> None:
     path = rundir.stacks_file(Path(ctx.run_dir), ctx.rank)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a") as f:
+        with os.fdopen(safeio.open_append(path), "a") as f:  # a FIFO there: an error, not a hang
             f.write(f"--- rank {ctx.rank}, {time.strftime('%Y-%m-%dT%H:%M:%S%z')}: Python stacks of every thread\n")
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)
         print(f"[rank {ctx.rank}]   Python stacks of every thread: {path}", file=sys.stderr, flush=True)
         return
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, safeio.RunDirError):
         pass
     print(f"[rank {ctx.rank}] Python stacks of every thread (faulthandler):", file=sys.stderr, flush=True)
     try:
@@ -104,10 +104,8 @@ def publish_usage(ctx: RunContext, d: diagnosis.Diagnosis) -> None:
 
 
 def _attempt_of(path: Path) -> int | None:
-    try:
-        value = json.loads(path.read_bytes()[:1 << 22]).get("attempt")
-    except (OSError, ValueError, AttributeError):
-        return None
+    data = safeio.try_json(path, limit=1 << 22)
+    value = data.get("attempt") if isinstance(data, dict) else None
     return value if isinstance(value, int) else None
 
 

@@ -1,0 +1,179 @@
+"""Files of a run or checkpoint directory, read and written so that nothing in the folder can block or mislead.
+
+Anyone can leave anything in a run directory: a FIFO where the tracker or ``summary.json`` should be (a plain
+``open()`` blocks forever), a device, a socket, a huge file, JSON nested 100,000 levels deep (``RecursionError``).
+Reads here open the path non-blocking, accept only a regular file of bounded size, and turn every other case into
+a :class:`RunDirError` (exit 2) that names the file and what to do; writes replace the path atomically (a FIFO there
+is replaced, never opened) or, for appends, open it non-blocking and refuse anything but a regular file.
+
+Pure Python: no torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+from typing import BinaryIO
+
+from lifecycle.errors import UsageError
+from lifecycle.jsontypes import Json
+
+SMALL = 1 << 20
+"""Default limit for the small files lifecycle keeps (trackers, markers, summaries, manifests): 1 MiB."""
+
+
+class RunDirError(UsageError):
+    """A file of a run or checkpoint directory cannot be used (not a regular file, too large, unreadable);
+    ``path`` names it. Exit 2: the folder's content is wrong, not the job."""
+
+    def __init__(self, message: str, *, path: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a directory")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def _refuse(path: Path, mode: int) -> RunDirError:
+    return RunDirError(f"{path}: is {_kind(mode)}, not a regular file; lifecycle never opens it (that could block "
+                       f"forever): remove it or move it out of the run directory", path=str(path))
+
+
+def open_regular(path: str | Path) -> BinaryIO:
+    """``open(path, "rb")`` that never blocks: anything but a regular file is a :class:`RunDirError` naming it
+    (``FileNotFoundError`` when missing)."""
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOCTTY", 0))
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise RunDirError(f"{path}: cannot be opened ({exc.strerror or exc})", path=str(path)) from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise _refuse(path, st.st_mode)
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
+
+
+def read_bytes(path: str | Path, *, limit: int = SMALL) -> bytes | None:
+    """The whole file, or None when it does not exist. Never blocks: a FIFO, device, socket or directory, a file
+    over ``limit`` bytes or one that cannot be read is a :class:`RunDirError` naming it."""
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOCTTY", 0))
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise RunDirError(f"{path}: cannot be opened ({exc.strerror or exc}); fix its permissions or remove it",
+                          path=str(path)) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _refuse(path, st.st_mode)
+        if st.st_size > limit:
+            raise RunDirError(f"{path}: {st.st_size} bytes, more than the {limit} such a file can have; it is not one "
+                              f"lifecycle wrote: remove it", path=str(path))
+        chunks, left = [], limit + 1
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        data = b"".join(chunks)
+        if len(data) > limit:
+            raise RunDirError(f"{path}: grew past {limit} bytes while read; remove it", path=str(path))
+        return data
+    except OSError as exc:
+        raise RunDirError(f"{path}: cannot be read ({exc.strerror or exc})", path=str(path)) from None
+    finally:
+        os.close(fd)
+
+
+def read_text(path: str | Path, *, limit: int = SMALL) -> str | None:
+    """:func:`read_bytes` as UTF-8 text (an undecodable file is a :class:`RunDirError`)."""
+    data = read_bytes(path, limit=limit)
+    if data is None:
+        return None
+    try:
+        return data.decode()
+    except UnicodeDecodeError as exc:
+        raise RunDirError(f"{path}: not UTF-8 (byte offset {exc.start}); it is not one lifecycle wrote: remove it",
+                          path=str(path)) from None
+
+
+def read_json(path: str | Path, *, limit: int = SMALL) -> Json:
+    """The JSON in ``path`` (None when missing). Invalid, or nested too deep for the parser: a RunDirError."""
+    text = read_text(path, limit=limit)
+    if text is None:
+        return None
+    try:
+        value: Json = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        why = "nested too deeply" if isinstance(exc, RecursionError) else f"not valid JSON ({exc})"
+        raise RunDirError(f"{path}: {why}; it is not one lifecycle wrote: remove it", path=str(path)) from None
+    return value
+
+
+def try_json(path: str | Path, *, limit: int = SMALL) -> Json:
+    """:func:`read_json`, but None for anything that cannot be used (for readers that must go on regardless)."""
+    try:
+        return read_json(path, limit=limit)
+    except RunDirError:
+        return None
+
+
+def write_text(path: str | Path, text: str, *, fsync: bool = False) -> None:
+    """Replace ``path`` atomically with ``text`` (a temporary beside it, then ``os.replace``): whatever was at
+    ``path`` (a FIFO included) is replaced, never opened. A directory there is a :class:`RunDirError`."""
+    write_bytes(path, text.encode(), fsync=fsync)
+
+
+def write_bytes(path: str | Path, data: bytes, *, fsync: bool = False) -> None:
+    """:func:`write_text` for bytes."""
+    path = Path(path)
+    if path.is_dir() and not path.is_symlink():
+        raise RunDirError(f"{path}: is a directory where lifecycle keeps a file; remove it", path=str(path))
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def open_append(path: str | Path) -> int:
+    """A file descriptor to append to ``path`` (created when missing). Never blocks: anything but a regular file
+    there is a :class:`RunDirError` naming it."""
+    path = Path(path)
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOCTTY", 0)
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as exc:
+        try:
+            mode = os.stat(path).st_mode
+        except OSError:
+            mode = 0
+        if mode and not stat.S_ISREG(mode):
+            raise _refuse(path, mode) from None
+        raise RunDirError(f"{path}: cannot be written ({exc.strerror or exc})", path=str(path)) from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise _refuse(path, st.st_mode)
+    os.set_blocking(fd, True)  # a regular file: writes are ordinary from here
+    return fd

@@ -13,6 +13,11 @@ from pathlib import Path
 from lifecycle.errors import CheckpointError, PolicyError, PolicyIssue, UsageError
 
 _SYSTEM = (Path("/proc"), Path("/sys"), Path("/dev"))
+_SYSTEM_ROOTS = frozenset(Path(p) for p in ("/", "/bin", "/boot", "/etc", "/lib", "/lib64", "/opt", "/root", "/sbin",
+                                            "/srv", "/tmp", "/usr", "/var", "/home", "/mnt", "/media", "/run"))
+"""Folders a run may live under but never be: a run moves and replaces files in its own folder."""
+_MANAGED = ("events", "logs", "attempts")
+"""Sub-folders of a run directory that lifecycle moves or rewrites at every attempt."""
 
 
 def _resolved(path: Path) -> Path:
@@ -50,9 +55,66 @@ def dir_problem(path_text: str) -> str | None:
     return None
 
 
-def check_dirs(run_dir: str, checkpoint_dir: str) -> None:
-    """Raise a PolicyError (exit 2) when ``run.dir`` or ``checkpoint.dir`` cannot be written."""
+def place_problem(run_dir: str, checkpoint_dir: str) -> list[PolicyIssue]:
+    """Folders a run must not take: ``/`` or a system folder itself, a checkpoint folder inside the run's managed
+    sub-folders (moved aside at the next attempt) or the run directory inside the checkpoint folder. No I/O but
+    resolving the paths."""
     issues = []
+    try:
+        run, ckpt = _resolved(Path(run_dir)), _resolved(Path(checkpoint_dir))
+    except OSError:
+        return []  # dir_problem names it
+    for key, value, path in (("run.dir", run_dir, run), ("checkpoint.dir", checkpoint_dir, ckpt)):
+        if path in _SYSTEM_ROOTS or path == Path.home():
+            issues.append(PolicyIssue(key, f"is {path}, a system or home folder itself; a run moves and replaces "
+                                           f"files in its folder: use a folder of its own (e.g. {path / 'runs'})",
+                                      value))
+    for sub in _MANAGED:
+        managed = run / sub
+        if ckpt == managed or managed in ckpt.parents:
+            issues.append(PolicyIssue("checkpoint.dir", f"lies inside {managed}, which lifecycle moves aside at the "
+                                      f"next attempt (the checkpoints would be lost to the resume); keep it out of "
+                                      f"{', '.join(_MANAGED)}", checkpoint_dir))
+    if ckpt != run and ckpt in run.parents:
+        issues.append(PolicyIssue("run.dir", f"lies inside checkpoint.dir {ckpt}, whose folders are pruned and set "
+                                  f"aside; put the checkpoints inside the run directory or beside it", run_dir))
+    return issues
+
+
+MARKER = ".lifecycle-run"
+"""Written into every run directory lifecycle makes: a non-empty folder without it is someone else's."""
+_OURS = (MARKER, "policy.resolved.yaml", "attempt")
+
+
+def check_owner(run_dir: str, adopt_existing: bool) -> None:
+    """A non-empty ``run.dir`` that lifecycle did not make is refused (exit 2) unless ``run.adopt_existing``."""
+    path = Path(run_dir)
+    try:
+        entries = [p.name for p in path.iterdir()] if path.is_dir() else []
+    except OSError:
+        return  # dir_problem names it
+    if not entries or adopt_existing or any(name in entries for name in _OURS):
+        return
+    shown = ", ".join(sorted(entries)[:5]) + (" ..." if len(entries) > 5 else "")
+    raise PolicyError.single("run.dir", f"is a non-empty folder lifecycle did not make ({shown}); a run would move "
+                             f"its events/ and logs/ aside and overwrite summary.json: pick an empty or new folder, "
+                             f"or set run.adopt_existing=true", run_dir)
+
+
+def mark_owner(run_dir: str | Path) -> None:
+    """Record that lifecycle made (or adopted) ``run_dir``."""
+    from lifecycle import safeio
+
+    marker = Path(run_dir) / MARKER
+    if not marker.is_file():
+        safeio.write_text(marker, "a lifecycle run directory\n")
+
+
+def check_dirs(run_dir: str, checkpoint_dir: str) -> None:
+    """Raise a PolicyError (exit 2) when ``run.dir`` or ``checkpoint.dir`` cannot be written or must not be."""
+    issues = place_problem(run_dir, checkpoint_dir)
+    if issues:
+        raise PolicyError(issues, source="before launch")
     for key, value in (("run.dir", run_dir), ("checkpoint.dir", checkpoint_dir)):
         why = dir_problem(value)
         if why is not None:
@@ -88,6 +150,19 @@ def rank_env(env: dict[str, str] | os._Environ[str] | None = None) -> tuple[int,
     if local < 0:
         raise UsageError(f"LOCAL_RANK={local} must be >= 0")
     return rank, world, local
+
+
+def check_rendezvous_env(env: dict[str, str] | os._Environ[str] | None = None) -> None:
+    """Under a launcher (torchrun, srun): MASTER_ADDR set and MASTER_PORT a port number, else a UsageError (exit 2)
+    now instead of a rendezvous that fails seconds later inside init_process_group."""
+    env = os.environ if env is None else env
+    addr, port = env.get("MASTER_ADDR", "").strip(), env.get("MASTER_PORT", "").strip()
+    if not addr:
+        raise UsageError("MASTER_ADDR is not set: the launcher (torchrun, srun wrapper) must set the rendezvous "
+                         "host of rank 0")
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise UsageError(f"MASTER_PORT={port[:40]!r} is not a port number (1-65535); check the launcher's "
+                         f"--master-port / rendezvous settings")
 
 
 def check_resume(checkpoint_dir: str, resume: str, on_corrupt: str) -> None:

@@ -223,3 +223,51 @@ def earlier_attempts(run_dir: Path) -> list[JsonDict]:
             info["outcome"] = "no summary (the launcher did not finish)"
         out.append(info)
     return out
+
+
+# ---- one launcher per run directory ---------------------------------------------------------------------
+LOCK = ".lock"
+
+
+class RunLock:
+    """The run directory's one launcher: an exclusive OS lock on ``<run_dir>/.lock``, held for the holder's life
+    (the kernel drops it when the process ends, however it ends), with the holder's host, pid and start time in
+    the file for the message a second launcher gets."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = Path(run_dir) / LOCK
+        self._fd: int | None = None
+        self.took_over: str | None = None
+        """The holder recorded by a launcher that is gone (its lock was taken over), else None."""
+
+    def acquire(self) -> RunLock:
+        """Take the lock or raise :class:`~lifecycle.safeio.RunDirError` (exit 2) naming the live holder."""
+        import fcntl
+        import socket
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = safeio.open_rw(self.path)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "a process that wrote nothing yet"
+            os.close(fd)
+            raise safeio.RunDirError(f"run directory {self.path.parent} is in use by another launcher ({holder}); "
+                                     f"wait for it to end, or give this run another run.dir or run.id",
+                                     path=str(self.path)) from None
+        previous = os.pread(fd, 4096, 0).decode(errors="replace").strip()
+        self.took_over = previous or None
+        os.ftruncate(fd, 0)
+        info = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        os.pwrite(fd, (", ".join(f"{k} {v}" for k, v in info.items()) + "\n").encode(), 0)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        """Give the lock up (safe twice); the file stays, empty: nobody holds the run directory."""
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            try:
+                os.ftruncate(fd, 0)
+            finally:
+                os.close(fd)

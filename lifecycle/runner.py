@@ -79,19 +79,57 @@ def _layout_issues(policy: Policy, world_size: int) -> list[PolicyIssue]:
     return []
 
 
+_HELD: dict[Path, object] = {}
+"""The run directories this process holds the lock of (the launcher, or rank 0 under another launcher)."""
+
+
+def own_run_dir(policy: Policy) -> Path:
+    """Check where the run may write (before anything there is read or moved), then take the run directory's
+    lock: one launcher per run directory (a second one exits 2 naming the holder). The resolved run directory."""
+    from lifecycle import preflight as checks
+    from lifecycle import rundir
+
+    checks.check_dirs(policy.run.dir, policy.checkpoint.dir)
+    run_dir = Path(policy.run.dir).resolve()
+    checks.check_owner(str(run_dir), policy.run.adopt_existing)
+    if run_dir not in _HELD:
+        lock = rundir.RunLock(run_dir).acquire()
+        if lock.took_over:
+            print(f"lifecycle: took over run directory {run_dir} from a launcher that is gone ({lock.took_over})",
+                  flush=True)
+        _HELD[run_dir] = lock
+    return run_dir
+
+
+def release_run_dir(run_dir: Path) -> None:
+    lock = _HELD.pop(Path(run_dir), None)
+    if lock is not None:
+        lock.release()  # type: ignore[attr-defined]
+
+
 def launch(policy: Policy, nproc: int, *, overrides: Sequence[str] = ()) -> int:
-    """Write the resolved policy, start the ranks, print and write the summary."""
+    """Take the run directory, write the resolved policy, start the ranks, print and write the summary."""
+
+    run_dir = own_run_dir(policy)
+    try:
+        return _launch(policy, nproc, run_dir, overrides)
+    finally:
+        release_run_dir(run_dir)
+
+
+def _launch(policy: Policy, nproc: int, run_dir: Path, overrides: Sequence[str]) -> int:
+    from lifecycle import preflight as checks
     from lifecycle import rundir, safeio
     from lifecycle.launch import launch_local
     from lifecycle.obs import summary
     from lifecycle.policy.load import write_resolved
 
-    run_dir = Path(policy.run.dir).resolve()
     if rundir.holds_run(run_dir) and policy.checkpoint.resume == "never":
         raise UsageError(f"run directory {run_dir} already holds a run and checkpoint.resume=never; pick another "
                          f"run.name/run.id, remove it, or set checkpoint.resume=auto to continue it")
     preflight(policy, nproc)
     attempt = rundir.archive_attempt(run_dir)
+    checks.mark_owner(run_dir)
     write_resolved(policy, run_dir)
     safeio.write_text(run_dir / rundir.OVERRIDES, "".join(f"{o}\n" for o in overrides))
     again = f"attempt {attempt}, " if attempt > 1 else ""
@@ -123,10 +161,11 @@ def _timeline(run_dir: Path) -> None:
 
 def _run_as_rank(overrides: Sequence[str], config_dir: str | None, config_name: str) -> int:
     from lifecycle.policy.load import load
-    from lifecycle.preflight import rank_env
+    from lifecycle.preflight import check_rendezvous_env, rank_env
     from lifecycle.worker import run_rank
 
     rank, world, _ = rank_env()
+    check_rendezvous_env()
     loaded = load(overrides, config_dir=config_dir, config_name=config_name)
     policy = loaded.policy
     run_dir = prepare_rank_dir(policy, rank, world, overrides, hint="torchrun --rdzv-id")
@@ -144,16 +183,20 @@ def prepare_rank_dir(policy: Policy, rank: int, world: int, overrides: Sequence[
     from lifecycle import rundir, safeio
     from lifecycle.policy.load import write_resolved
 
-    run_dir = Path(policy.run.dir).resolve()
     if rank == 0:
+        from lifecycle import preflight as checks
+
+        run_dir = own_run_dir(policy)
         if rundir.holds_run(run_dir) and policy.checkpoint.resume == "never":
             raise UsageError(f"run directory {run_dir} already holds a run and checkpoint.resume=never; set a new "
                              f"run id ({hint}) or checkpoint.resume=auto to continue it")
         preflight(policy, world)
+        checks.mark_owner(run_dir)
         write_resolved(policy, run_dir)
         safeio.write_text(run_dir / rundir.OVERRIDES, "".join(f"{o}\n" for o in overrides))
     else:
         from lifecycle import preflight as checks
 
         checks.check_dirs(policy.run.dir, policy.checkpoint.dir)
+        run_dir = Path(policy.run.dir).resolve()
     return run_dir

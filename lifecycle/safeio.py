@@ -156,6 +156,22 @@ def write_bytes(path: str | Path, data: bytes, *, fsync: bool = False) -> None:
         raise
 
 
+def open_rw(path: str | Path) -> int:
+    """A file descriptor to read and write ``path`` (created when missing); anything but a regular file there is a
+    :class:`RunDirError` naming it, never a hang."""
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOCTTY", 0), 0o644)
+    except OSError as exc:
+        raise RunDirError(f"{path}: cannot be opened ({exc.strerror or exc}); remove it", path=str(path)) from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise _refuse(path, st.st_mode)
+    os.set_blocking(fd, True)
+    return fd
+
+
 def open_append(path: str | Path) -> int:
     """A file descriptor to append to ``path`` (created when missing). Never blocks: anything but a regular file
     there is a :class:`RunDirError` naming it."""

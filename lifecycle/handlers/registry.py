@@ -79,16 +79,26 @@ def _load_entry_points() -> None:
         dist = ep.dist.name if ep.dist is not None else "?"
         try:
             obj = ep.load()
-        except Exception as exc:  # noqa: BLE001 - a broken package must not break every policy
-            log.warning("handler entry point %s (%s) failed to load: %s", ep.name, dist, exc)
+            specs = obj() if callable(obj) and not isinstance(obj, HandlerSpec) else obj
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - a broken package (SystemExit included) breaks nothing else
+            log.warning("handler entry point %s (%s) failed to load and is left out: %s: %s", ep.name, dist,
+                        type(exc).__name__, exc)
             continue
-        specs = obj() if callable(obj) and not isinstance(obj, HandlerSpec) else obj
         for spec in specs if isinstance(specs, list | tuple) else [specs]:
             if not isinstance(spec, HandlerSpec):
                 log.warning("entry point %s (%s) gave %r, not a HandlerSpec", ep.name, dist, spec)
                 continue
-            register(HandlerSpec(spec.kind, spec.phase, spec.options, spec.factory,
-                                 spec.description, source=f"package {dist}", groups=spec.groups))
+            if any(spec.kind == b.kind and spec.phase == b.phase for b in _BUILTINS):
+                log.warning("entry point %s (%s) registers the built-in kind %r and is left out", ep.name, dist,
+                            spec.kind)
+                continue
+            try:
+                register(HandlerSpec(spec.kind, spec.phase, spec.options, spec.factory,
+                                     spec.description, source=f"package {dist}", groups=spec.groups))
+            except ValueError as exc:
+                log.warning("entry point %s (%s) is left out: %s", ep.name, dist, exc)
 
 
 def _ensure() -> None:

@@ -81,7 +81,7 @@ def _ranks() -> tuple[int, int, int]:
     """(rank, world, local rank): from the live default group, else from the launcher's environment."""
     import torch.distributed as dist
 
-    from lifecycle.preflight import rank_env
+    from lifecycle.preflight import check_rendezvous_env, rank_env
 
     local = os.environ.get("LOCAL_RANK", "0")
     if dist.is_initialized():
@@ -91,7 +91,9 @@ def _ranks() -> tuple[int, int, int]:
         raise UsageError(f"lifecycle.attach(): no process group and no launcher environment ({', '.join(missing)} "
                          f"not set); start the trainer under torchrun or srun, or call "
                          f"torch.distributed.init_process_group before attach()")
-    return rank_env()
+    ranks = rank_env()
+    check_rendezvous_env()
+    return ranks
 
 
 def _adopted_parallel(policy: Policy, world: int) -> ParallelState:
@@ -376,7 +378,10 @@ class Job:
         if self.ctx.watchdog is not None:
             self.ctx.watchdog.stop()
         if self.ctx.rank == 0:
+            from lifecycle.runner import release_run_dir
+
             _write_summary(self.ctx)
+            release_run_dir(self.ctx.run_dir)
 
     @staticmethod
     def _leave(code: int) -> NoReturn:

@@ -158,8 +158,8 @@ def main(run_dir: str | Path, out: str | Path | None = None, png: str | Path | N
     run_dir = Path(run_dir)
     problems: list[str] = []
     events = load(run_dir, problems)
-    trace_path = output_path(Path(out) if out else run_dir / "trace.json", "--out")
-    png_path = None if no_png else output_path(Path(png) if png else run_dir / "timeline.png", "--png")
+    trace_path = output_path(Path(out) if out else run_dir / "trace.json", "--out", run_dir)
+    png_path = None if no_png else output_path(Path(png) if png else run_dir / "timeline.png", "--png", run_dir)
     _report(problems)
     meta = {"run_dir": str(run_dir.resolve()), **_run_meta(run_dir)}
     trace = build_trace(events, meta)
@@ -178,8 +178,29 @@ def main(run_dir: str | Path, out: str | Path | None = None, png: str | Path | N
     return ExitCode.OK
 
 
-def output_path(path: Path, flag: str) -> Path:
-    """``path`` if a file can be written there (its folder is created); else a UsageError naming ``flag``."""
+_OWN = ("events", "logs", "attempts", "checkpoints", "summary.json", "policy.resolved.yaml", "policy.sha256",
+        "hang_report.json", "overrides.txt", "attempt", ".lock", ".shutdown", ".lifecycle-run")
+"""What a run directory holds that the timeline must never overwrite (its own trace.json/timeline.png it may)."""
+
+
+def _managed(path: Path, run_dir: Path | None) -> str | None:
+    """The run directory file or folder ``path`` would overwrite, or None."""
+    if run_dir is None:
+        return None
+    try:
+        rel = path.resolve().relative_to(run_dir.resolve())
+    except (ValueError, OSError, RuntimeError):
+        return None
+    return rel.parts[0] if rel.parts and rel.parts[0] in _OWN else None
+
+
+def output_path(path: Path, flag: str, run_dir: Path | None = None) -> Path:
+    """``path`` if a file can be written there (its folder is created); else a UsageError naming ``flag``. A file the
+    run directory keeps (events, summary, policy, checkpoints ...) is refused."""
+    own = _managed(path, run_dir)
+    if own is not None:
+        raise UsageError(f"{flag} {path}: would overwrite the run's own {own}; write the trace elsewhere (the "
+                         f"default is {run_dir}/trace.json)")
     try:
         if path.is_dir():
             raise UsageError(f"{flag} {path}: is a directory; give a file name, e.g. {path / 'trace.json'}")

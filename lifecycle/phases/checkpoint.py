@@ -181,23 +181,39 @@ def _reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[:300]}"
 
 
-def _agree_loaded(ctx: RunContext, failed: bool) -> list[int]:
-    """The ranks on which the load failed (every rank calls it after each attempt: all_gather on the default
-    group, bounded by the checkpoint deadline)."""
+def _agree_loaded(ctx: RunContext, failed: bool) -> tuple[list[int], dict[int, int]]:
+    """The ranks on which the load failed, and the step every rank loaded (every rank calls it after each attempt:
+    all_gather on the default group, bounded by the checkpoint deadline)."""
     import torch
     import torch.distributed as dist
 
     from lifecycle.distributed.collectives import device_for, wait_works
 
     if ctx.world_size == 1 or not dist.is_initialized():
-        return [ctx.rank] if failed else []
-    mine = torch.tensor([1 if failed else 0], dtype=torch.int32, device=device_for())
+        return ([ctx.rank] if failed else []), {ctx.rank: ctx.step}
+    mine = torch.tensor([1 if failed else 0, -1 if failed else ctx.step], dtype=torch.int64, device=device_for())
     out = [torch.zeros_like(mine) for _ in range(ctx.world_size)]
     work = dist.all_gather(out, mine, async_op=True)
     wait_works([work], "all_gather(resume ok)", "world", list(range(ctx.world_size)), ctx.deadline("checkpoint"),
                time.monotonic())
     ctx.op_counts["world"] += 1
-    return [r for r, t in enumerate(out) if int(t.item())]
+    rows = [t.cpu().tolist() for t in out]
+    return [r for r, row in enumerate(rows) if int(row[0])], {r: int(row[1]) for r, row in enumerate(rows)}
+
+
+def _same_step(ctx: RunContext, path: Path, steps: dict[int, int]) -> None:
+    """Every rank loaded the same step from ``path``, or a CheckpointError (exit 2) on every rank naming who loaded
+    what: resuming ranks at different steps would diverge and hang at the next commit."""
+    if len(set(steps.values())) <= 1:
+        return
+    expected = ckptdir.step_of(path.name)
+    by_step: dict[int, list[int]] = {}
+    for rank, step in sorted(steps.items()):
+        by_step.setdefault(step, []).append(rank)
+    shown = "; ".join(f"step {s}: ranks {r}" for s, r in sorted(by_step.items()))
+    raise CheckpointError(f"checkpoint {path} (step {expected}) loads different steps on different ranks ({shown}): "
+                          f"some rank's files belong to another save; remove or restore the checkpoint before "
+                          f"resuming", path=str(path), phase="train", rank=ctx.rank)
 
 
 def resume(ctx: RunContext) -> None:
@@ -230,8 +246,9 @@ def resume(ctx: RunContext) -> None:
         log.warning("checkpoint %s is unusable: %s", name, reason)
     for path in found.paths:
         local = _try_load(ctx, path)
-        failed = _agree_loaded(ctx, local is not None)
+        failed, steps = _agree_loaded(ctx, local is not None)
         if not failed:
+            _same_step(ctx, path, steps)
             _loaded(ctx, root, path, tracker, rejected)
             return
         why = local or f"failed to load on ranks {failed} (see their logs)"

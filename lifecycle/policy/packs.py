@@ -79,7 +79,9 @@ def _declared_version(module: str) -> tuple[int | None, str | None]:
     torch_before = "torch" in sys.modules
     try:
         mod = importlib.import_module(module)
-    except Exception as exc:  # noqa: BLE001 - any failure makes the pack unusable, not lifecycle
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - any failure (SystemExit too) makes the pack unusable, not lifecycle
         return None, f"cannot import package '{module}': {type(exc).__name__}: {exc}"
     if not torch_before and "torch" in sys.modules:
         log.warning("policy pack package '%s' imports torch; `lifecycle validate` gets slow", module)

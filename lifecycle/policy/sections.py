@@ -32,8 +32,11 @@ class RunConfig(Section):
     """Run id, identical on every rank (the launcher, SLURM or torchrun provide it; never a per-rank clock)."""
     dir: str = Field("runs/lifecycle-local", min_length=1)
     """The run directory (default runs/<name>-<id>): resolved policy, per-rank events, summary, hang reports, checkpoints."""
-    seed: int = Field(1234, ge=0)
-    """Seed for model init and the synthetic data."""
+    seed: int = Field(1234, ge=0, le=2**32 - 1)
+    """Seed for model init and the synthetic data (0 .. 2^32-1: derived per-rank and per-step seeds stay in range)."""
+    adopt_existing: Flag = False
+    """Let a run use a non-empty ``run.dir`` that lifecycle did not make (by default refused: its ``events/`` or
+    ``summary.json`` would be moved or overwritten)."""
 
 
 class FlightRecorderConfig(Section):

@@ -1,0 +1,108 @@
+"""Nothing in a run or checkpoint directory can block or mislead: FIFOs, devices, directories, huge or deeply
+nested files where lifecycle keeps its own files are refused by name (never opened blocking) or replaced."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lifecycle import ckptdir, rundir, safeio
+from lifecycle.obs.events import EventLog, read_events
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _fifo(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(path)
+    return path
+
+
+def test_a_fifo_is_refused_by_name_at_once(tmp_path: Path) -> None:
+    fifo = _fifo(tmp_path / "summary.json")
+    t0 = time.monotonic()
+    with pytest.raises(safeio.RunDirError, match=r"summary.json: is a FIFO, not a regular file; .* remove it"):
+        safeio.read_json(fifo)
+    assert time.monotonic() - t0 < 1.0
+    assert safeio.try_json(fifo) is None
+    with pytest.raises(safeio.RunDirError, match="is a FIFO"):
+        safeio.open_append(fifo)
+    with pytest.raises(safeio.RunDirError, match="is a FIFO"):
+        safeio.open_regular(fifo)
+
+
+def test_devices_directories_big_and_deep_files_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(safeio.RunDirError, match="is a character device"):
+        safeio.read_bytes("/dev/zero")
+    with pytest.raises(safeio.RunDirError, match="is a directory"):
+        safeio.read_bytes(tmp_path)
+    big = tmp_path / "big"
+    big.write_bytes(b"x" * 2000)
+    with pytest.raises(safeio.RunDirError, match="2000 bytes, more than the 1000"):
+        safeio.read_bytes(big, limit=1000)
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 200_000 + "]" * 200_000)
+    with pytest.raises(safeio.RunDirError, match="nested too deeply"):
+        safeio.read_json(deep, limit=1 << 20)
+    assert safeio.read_bytes(tmp_path / "missing") is None
+
+
+def test_writes_replace_a_fifo_instead_of_opening_it(tmp_path: Path) -> None:
+    fifo = _fifo(tmp_path / "summary.json")
+    safeio.write_text(fifo, '{"ok": 1}')
+    assert json.loads(fifo.read_text()) == {"ok": 1} and fifo.is_file()
+    (tmp_path / "adir").mkdir()
+    with pytest.raises(safeio.RunDirError, match="is a directory where lifecycle keeps a file"):
+        safeio.write_text(tmp_path / "adir", "x")
+
+
+def test_the_run_directory_files_never_block(tmp_path: Path) -> None:
+    _fifo(tmp_path / rundir.ATTEMPT)
+    with pytest.raises(safeio.RunDirError, match="attempt: is a FIFO"):
+        rundir.current_attempt(tmp_path)
+    (tmp_path / rundir.ATTEMPT).unlink()
+    (tmp_path / rundir.ATTEMPT).write_text("banana\n")
+    with pytest.raises(safeio.RunDirError, match="holds 'banana', not an attempt number"):
+        rundir.current_attempt(tmp_path)
+    _fifo(tmp_path / rundir.ATTEMPTS_DIR / "1" / rundir.SUMMARY)
+    (tmp_path / rundir.ATTEMPTS_DIR / "2").mkdir()
+    (tmp_path / rundir.ATTEMPTS_DIR / "2" / rundir.SUMMARY).write_text("[" * 100_000)
+    assert [a["outcome"] for a in rundir.earlier_attempts(tmp_path)] == [
+        "no summary (the launcher did not finish)"] * 2
+    _fifo(tmp_path / rundir.SHUTDOWN_MARKER)
+    assert rundir.read_marker(tmp_path) == {}
+    _fifo(rundir.events_file(tmp_path, 1))
+    assert rundir.last_event(tmp_path, 1) is None
+    with pytest.raises(safeio.RunDirError, match="rank_1.jsonl: is a FIFO"):
+        EventLog(tmp_path, 1)
+    problems: list[str] = []
+    assert 1 not in read_events(tmp_path, problems)
+    assert any("rank_1.jsonl: not a regular file" in p for p in problems)
+
+
+def test_a_fifo_as_tracker_or_manifest_is_a_named_problem(tmp_path: Path) -> None:
+    _fifo(tmp_path / ckptdir.TRACKER)
+    tracker = ckptdir.read_tracker(tmp_path)
+    assert tracker.error is not None and "is a FIFO" in tracker.error
+    folder = tmp_path / "iter_0000002"
+    folder.mkdir()
+    (folder / ckptdir.COMPLETE).write_text("{}")
+    _fifo(folder / ckptdir.MANIFEST)
+    assert "manifest.json is unreadable (is a FIFO" in (ckptdir.problem(folder) or "")
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.binary(max_size=400))
+def test_any_tracker_content_is_read_or_named_never_raised(content: bytes) -> None:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / ckptdir.TRACKER).write_bytes(content)
+        tracker = ckptdir.read_tracker(Path(d))
+        assert (tracker.name is None) != (tracker.error is None)

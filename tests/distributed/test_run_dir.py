@@ -1,0 +1,127 @@
+"""The run directory as hostile input: two launchers, a FIFO where lifecycle keeps a file, foreign or nested folders,
+a rank that would resume another step than its peers, a broken launcher environment. Each is refused with exit 2
+naming the file or key (most before any rank starts); nothing hangs; committed work stays."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.distributed.runs import FAST, SYNTHETIC, lifecycle_run
+from tests.helpers import ROOT, run_cli
+
+pytestmark = [pytest.mark.distributed]
+QUICK = [*SYNTHETIC, *FAST, "train.steps=4", "checkpoint.every_steps=2"]
+
+
+def _refused(proc: subprocess.CompletedProcess[str], *needles: str) -> None:
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    for needle in needles:
+        assert needle in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.timeout(60)
+def test_places_a_run_must_not_take_are_refused_before_launch(tmp_path: Path) -> None:
+    t0 = time.monotonic()
+    _refused(run_cli("run", "--nproc", "2", *QUICK, "run.dir=/"), "run.dir: is /, a system or home folder itself")
+    _refused(run_cli("run", "--nproc", "2", *QUICK, f"run.dir={tmp_path / 'r'}", "checkpoint.dir=${run.dir}/events/c"),
+             "checkpoint.dir: lies inside", "/events, which lifecycle moves aside")
+    foreign = tmp_path / "foreign"
+    (foreign / "events").mkdir(parents=True)
+    (foreign / "notes.txt").write_text("mine")
+    _refused(run_cli("run", "--nproc", "2", *QUICK, f"run.dir={foreign}"),
+             "run.dir: is a non-empty folder lifecycle did not make (events, notes.txt)", "run.adopt_existing=true")
+    assert (foreign / "events").is_dir() and not (foreign / "attempts").exists()  # nothing was moved
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    _refused(run_cli("run", "--nproc", "2", *QUICK, f"run.dir={loop / 'x'}"), "run.dir")
+    _refused(run_cli("run", "--nproc", "2", *QUICK, f"run.dir={tmp_path / ('d' * 300)}"), "run.dir")
+    assert time.monotonic() - t0 < 30
+
+
+@pytest.mark.timeout(60)
+def test_a_fifo_as_attempt_counter_or_tracker_is_named_not_waited_on(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / ".lifecycle-run").write_text("a lifecycle run directory\n")
+    (run / "events").mkdir()
+    os.mkfifo(run / "attempt")
+    _refused(run_cli("run", "--nproc", "2", *QUICK, f"run.dir={run}", timeout=30), "attempt: is a FIFO")
+    (run / "attempt").unlink()
+    (run / "checkpoints").mkdir()
+    os.mkfifo(run / "checkpoints" / "latest")
+    _refused(run_cli("run", "--nproc", "2", *QUICK, f"run.dir={run}", timeout=30), "latest", "is a FIFO")
+
+
+@pytest.mark.timeout(120)
+def test_a_second_launcher_is_refused_and_the_first_is_undisturbed(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    first = subprocess.Popen([sys.executable, "-m", "lifecycle", "run", "--nproc", "2", f"run.dir={run}", *SYNTHETIC,
+                              *FAST, "train.steps=30", "train.options.step_sleep_s=0.2", "checkpoint.every_steps=10"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        ends = time.monotonic() + 60
+        while not (run / "events" / "rank_1.jsonl").is_file() and time.monotonic() < ends:
+            time.sleep(0.2)
+        second = run_cli("run", "--nproc", "2", *QUICK, f"run.dir={run}", timeout=30)
+        _refused(second, f"run directory {run} is in use by another launcher (host ", f"pid {first.pid}")
+        out, err = first.communicate(timeout=90)
+    finally:
+        first.kill()
+    assert first.returncode == 0, out[-2000:] + err[-2000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["exit_code"] == 0 and summary["attempt"] == 1 and summary["last_step"] == 30
+    assert not (run / "attempts").exists()
+
+
+@pytest.mark.timeout(120)
+def test_fifos_as_summaries_never_hang_a_rerun(tmp_path: Path) -> None:
+    first = lifecycle_run(tmp_path, 2, *QUICK)
+    assert first.code == 0, first.output
+    os.replace(first.run_dir / "summary.json", tmp_path / "real_summary.json")
+    os.mkfifo(first.run_dir / "summary.json")  # moved to attempts/1/ by the re-run, then read there
+    again = lifecycle_run(tmp_path, 2, *QUICK, "train.steps=6", timeout=60)
+    assert again.code == 0, again.output
+    summary = json.loads((again.run_dir / "summary.json").read_text())
+    assert summary["attempt"] == 2 and summary["resumed_from"] == 4
+    assert summary["earlier_attempts"][0]["outcome"] == "no summary (the launcher did not finish)"
+    proc = run_cli("timeline", str(again.run_dir), "--out", str(again.run_dir / "events" / "rank_0.jsonl"))
+    _refused(proc, "would overwrite the run's own events")
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_whose_files_hold_another_step_stops_every_rank_before_step_1(tmp_path: Path) -> None:
+    first = lifecycle_run(tmp_path, 2, *QUICK)
+    assert first.code == 0, first.output
+    ckpt = first.run_dir / "checkpoints"
+    # rank 1's shard of the tracked step 4 replaced by its step-2 file: same size, so the manifest's sizes agree
+    shutil.copyfile(ckpt / "iter_0000002" / "rank_1.pt", ckpt / "iter_0000004" / "rank_1.pt")
+    again = lifecycle_run(tmp_path, 2, *QUICK, "train.steps=6", timeout=60)
+    assert again.code == 2, again.output
+    assert "loads different steps on different ranks (step 2: ranks [1]; step 4: ranks [0])" in again.output
+    steps = [e for evs in again.events.values() for e in evs if e["name"] == "step"]
+    assert steps == []  # no rank trained a step
+    assert (ckpt / "latest").read_text().strip() == "iter_0000004" and (ckpt / "iter_0000002").is_dir()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("name", "value", "needle"), [
+    ("MASTER_PORT", "abc", "MASTER_PORT='abc' is not a port number"),
+    ("MASTER_PORT", "99999", "MASTER_PORT='99999' is not a port number"),
+    ("MASTER_ADDR", "", "MASTER_ADDR is not set"),
+])
+def test_a_broken_launcher_environment_is_named_at_once(tmp_path: Path, name: str, value: str, needle: str) -> None:
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
+           name: value}
+    t0 = time.monotonic()
+    _refused(run_cli("run", *QUICK, f"run.dir={tmp_path / 'run'}", env=env, timeout=30), needle)
+    assert time.monotonic() - t0 < 10

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import types
+from typing import Annotated, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, Strict
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationInfo, field_validator
 
 Phase = Literal["init", "warmup", "train", "checkpoint", "teardown"]
 """The phase names, declared once (``lifecycle.machine.graph`` reads them from here: the policy layer
@@ -31,3 +32,25 @@ class Section(BaseModel):
         validate_default=True,
         populate_by_name=True,
     )
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_boolean_integers(cls, value: object, info: ValidationInfo) -> object:
+        """``tp: true`` is a typo, not 1: an integer key takes integers only (pydantic would take a boolean)."""
+        if isinstance(value, bool) and info.field_name is not None:
+            field = cls.model_fields.get(info.field_name)
+            if field is not None and _takes_int(field.annotation):
+                raise ValueError("Input should be an integer, not a boolean")
+        return value
+
+
+def _takes_int(annotation: object) -> bool:
+    """An ``int`` field (or ``int | None``), not one that also takes booleans."""
+    if get_origin(annotation) is Annotated:
+        return _takes_int(get_args(annotation)[0])
+    if annotation is int:
+        return True
+    if get_origin(annotation) in (Union, types.UnionType):
+        args = [a for a in get_args(annotation) if a is not type(None)]
+        return len(args) == 1 and _takes_int(args[0])
+    return False

@@ -79,6 +79,9 @@ OVERRIDES = {
     "nan_grace": (["checkpoint.grace_s=nan"], "checkpoint.grace_s: Input should be a finite number"),
     "huge_deadline": (["teardown.deadline_s=1e300"], "teardown.deadline_s: Input should be less than or equal to "
                       "1000000000"),
+    "bool_as_int": (["parallelism.tp=true"], "parallelism.tp: Input should be an integer, not a boolean (got True)"),
+    "bool_as_optional_int": (["parallelism.etp=false"], "parallelism.etp: Input should be an integer, not a boolean"),
+    "seed_2**63": (["run.seed=9223372036854775808"], "run.seed: Input should be less than or equal to 4294967295"),
     "config_name_escape": (["--config-name", "../../etc/passwd"], "--config-name: must be a file name in the "
                            "config dir"),
 }

@@ -143,3 +143,58 @@ def test_megatron_layout_rules_at_the_launch_world_size_are_checked_before_launc
         preflight(policy, 4)
     assert "world size 4" in str(info.value)
     assert not (tmp_path / "run").exists()  # nothing started, nothing written
+
+
+def test_places_a_run_must_not_take(tmp_path: Path) -> None:
+    from lifecycle.preflight import place_problem
+
+    assert place_problem(str(tmp_path / "run"), str(tmp_path / "run" / "checkpoints")) == []
+    assert place_problem(str(tmp_path / "run"), str(tmp_path / "elsewhere")) == []
+    said = [str(i) for i in place_problem("/", "/ckpt")]
+    assert said and said[0].startswith("run.dir: is /, a system or home folder itself")
+    said = [str(i) for i in place_problem(str(tmp_path / "run"), str(tmp_path / "run" / "attempts" / "c"))]
+    assert said and "lies inside" in said[0] and "attempts, which lifecycle moves aside" in said[0]
+    said = [str(i) for i in place_problem(str(tmp_path / "ck" / "run"), str(tmp_path / "ck"))]
+    assert said and said[0].startswith("run.dir: lies inside checkpoint.dir")
+
+
+def test_a_foreign_folder_is_refused_unless_adopted(tmp_path: Path) -> None:
+    from lifecycle.preflight import check_owner, mark_owner
+
+    check_owner(str(tmp_path / "missing"), False)
+    check_owner(str(tmp_path), False)  # empty
+    (tmp_path / "data.bin").write_bytes(b"x")
+    with pytest.raises(PolicyError, match=r"run.dir: is a non-empty folder lifecycle did not make \(data.bin\)"):
+        check_owner(str(tmp_path), False)
+    check_owner(str(tmp_path), True)
+    mark_owner(tmp_path)
+    check_owner(str(tmp_path), False)
+
+
+def test_the_rendezvous_environment_is_checked() -> None:
+    from lifecycle.preflight import check_rendezvous_env
+
+    check_rendezvous_env({"MASTER_ADDR": "h", "MASTER_PORT": "29500"})
+    for env, needle in (({"MASTER_PORT": "1"}, "MASTER_ADDR is not set"),
+                        ({"MASTER_ADDR": "h", "MASTER_PORT": "0"}, "MASTER_PORT='0' is not a port number"),
+                        ({"MASTER_ADDR": "h", "MASTER_PORT": "-5"}, "is not a port number"),
+                        ({"MASTER_ADDR": "h"}, "MASTER_PORT='' is not a port number")):
+        with pytest.raises(UsageError, match=needle):
+            check_rendezvous_env(env)
+
+
+def test_one_launcher_holds_a_run_directory(tmp_path: Path) -> None:
+    from lifecycle import rundir, safeio
+
+    first = rundir.RunLock(tmp_path).acquire()
+    assert first.took_over is None
+    with pytest.raises(safeio.RunDirError, match=rf"run directory {tmp_path} is in use by another launcher \(host "):
+        rundir.RunLock(tmp_path).acquire()
+    first.release()
+    first.release()
+    again = rundir.RunLock(tmp_path).acquire()
+    again.release()
+    (tmp_path / rundir.LOCK).write_text("host gone, pid 1, started then\n")  # a holder that died holding it
+    taken = rundir.RunLock(tmp_path).acquire()
+    assert taken.took_over == "host gone, pid 1, started then"
+    taken.release()

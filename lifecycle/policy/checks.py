@@ -38,6 +38,10 @@ def cross_field_issues(p: Policy) -> list[PolicyIssue]:
         issues.append(PolicyIssue("moe.zero_token.action", "the model has no experts (train.options."
                                   "num_experts=0); set it to off", p.moe.zero_token.action))
     issues.extend(_fault_issues(p))
+    if "inter_dist_opt" in p.warmup.required and p.parallelism.dist_opt_instances == 1:
+        issues.append(PolicyIssue("warmup.required", "names inter_dist_opt, which megatron creates only with "
+                                  "parallelism.dist_opt_instances > 1; raise the instances or drop the group",
+                                  list(p.warmup.required)))
     return issues
 
 

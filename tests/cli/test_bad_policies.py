@@ -82,6 +82,8 @@ OVERRIDES = {
     "bool_as_int": (["parallelism.tp=true"], "parallelism.tp: Input should be an integer, not a boolean (got True)"),
     "bool_as_optional_int": (["parallelism.etp=false"], "parallelism.etp: Input should be an integer, not a boolean"),
     "seed_2**63": (["run.seed=9223372036854775808"], "run.seed: Input should be less than or equal to 4294967295"),
+    "required_absent_group": (["warmup.required=[inter_dist_opt]"], "warmup.required: names inter_dist_opt, which "
+                              "megatron creates only with parallelism.dist_opt_instances > 1"),
     "config_name_escape": (["--config-name", "../../etc/passwd"], "--config-name: must be a file name in the "
                            "config dir"),
 }

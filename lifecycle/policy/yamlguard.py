@@ -14,6 +14,7 @@ restores it after), so a hostile file is refused, naming its path, before OmegaC
 from __future__ import annotations
 
 import os
+import re
 import stat
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -119,11 +120,26 @@ def check_yaml(text: str, where: str, budget: Budget | None = None) -> None:
         raise yaml_error(exc, where) from None
 
 
+_SEXAGESIMAL = re.compile(r"^[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+(?:\.[0-9_]*)?$")
+"""YAML 1.1's base-60 numbers (``1:0`` is 60, ``1:30:00`` is 5400), which YAML 1.2 dropped: never what was meant."""
+
+
 def _check_scalar(event: yaml.ScalarEvent, where: str) -> None:
     value = event.value
     if not event.style and len(value) > MAX_INT_DIGITS and value.lstrip("+-").isdigit():
         raise _error(_at(where, event), f"an integer of {len(value)} digits; Python reads at most "
                      f"{MAX_INT_DIGITS} from text: quote it if it is a string, else use a smaller number")
+    if not event.style and _SEXAGESIMAL.match(value):
+        raise _error(_at(where, event), f"{value!r} is a base-60 number in YAML 1.1 (the parser would read "
+                     f"{_base60(value)}); write the number you mean, or quote it if it is a string")
+
+
+def _base60(text: str) -> str:
+    sign = -1 if text.startswith("-") else 1
+    total = 0.0
+    for part in text.lstrip("+-").replace("_", "").split(":"):
+        total = total * 60 + float(part)
+    return f"{sign * total:g}"
 
 
 def _spend(budget: Budget, n: int, event: yaml.Event, where: str) -> None:

@@ -52,6 +52,7 @@ FILES = {
     "deadline_inf": "watchdog.deadlines.init: Input should be a finite number (inf and nan are refused)",
     "timeout_nan": "barriers.after_init.0.timeout_s: Input should be a finite number",
     "hydra_section": "hydra: in ",
+    "sexagesimal": "sexagesimal.yaml:2:19: '1:0' is a base-60 number in YAML 1.1 (the parser would read 60)",
 }
 
 OVERRIDES = {

@@ -25,6 +25,7 @@ import os
 import select
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterable
@@ -121,9 +122,13 @@ class _Job:
         cause = self._monitor(run_dir)
         stop = self.trap.received[0] if cause is None and self.trap.received else None
         if cause is not None:
-            rundir.write_marker(run_dir, f"rank {cause} failed ({_how(self.codes[cause])})", rank=cause,
-                                how=_how(self.codes[cause]),
-                                phase=(rundir.last_event(run_dir, cause) or {}).get("phase"))
+            try:
+                rundir.write_marker(run_dir, f"rank {cause} failed ({_how(self.codes[cause])})", rank=cause,
+                                    how=_how(self.codes[cause]),
+                                    phase=(rundir.last_event(run_dir, cause) or {}).get("phase"))
+            except OSError as exc:  # a full disk: the ranks still come down (SIGTERM below), without the marker
+                print(f"lifecycle: cannot write {run_dir / rundir.SHUTDOWN_MARKER} ({exc.strerror or exc}); "
+                      f"stopping the ranks without it", file=sys.stderr, flush=True)
         if len(self.codes) < len(self.procs):
             self._shutdown(signal.SIGTERM if stop is None else stop, grace_s)
         if cause is not None:

@@ -109,7 +109,6 @@ def release_run_dir(run_dir: Path) -> None:
 
 def launch(policy: Policy, nproc: int, *, overrides: Sequence[str] = ()) -> int:
     """Take the run directory, write the resolved policy, start the ranks, print and write the summary."""
-
     run_dir = own_run_dir(policy)
     try:
         return _launch(policy, nproc, run_dir, overrides)
@@ -141,7 +140,11 @@ def _launch(policy: Policy, nproc: int, run_dir: Path, overrides: Sequence[str])
         # signal stays in the outcome line and the summary).
         result = dataclasses.replace(result, exit_code=policy.teardown.exit_codes.rank_failed)
     info = summary.build(run_dir, result)
-    summary.write(run_dir, info)
+    try:
+        summary.write(run_dir, info)
+    except OSError as exc:  # a full disk: the run's verdict is still printed and its exit code returned
+        print(f"lifecycle: cannot write {run_dir / rundir.SUMMARY} ({exc.strerror or exc})", file=sys.stderr,
+              flush=True)
     print(summary.render(info), flush=True)
     _timeline(run_dir)
     return int(result.exit_code)

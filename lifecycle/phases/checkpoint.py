@@ -99,7 +99,13 @@ def finish_pending(ctx: RunContext) -> None:
         _agree(ctx, pending, key, deadline)
         ctx.observe("checkpoint", time.monotonic() - t0)  # the wait for every rank's writes: the long part
         if ctx.rank == 0:
-            _commit(ctx, pending)
+            try:
+                _commit(ctx, pending)
+            except OSError as exc:  # a full disk: the previous checkpoint and its tracker are still in place
+                raise PhaseError(f"checkpoint step {pending.step}: committing {pending.final} failed "
+                                 f"({exc.strerror or exc}); the last committed checkpoint stays the tracker's: free "
+                                 f"space in {pending.final.parent} or point checkpoint.dir elsewhere",
+                                 phase="checkpoint", rank=0) from exc
         # Every rank learns that the commit happened (or names rank 0 if it did not).
         with ctx.events.span("barrier:ckpt_committed", group="world", via="store"):
             store_barrier(ctx.require_store(), f"{key}/committed", ctx.rank, _all_ranks(ctx), deadline,

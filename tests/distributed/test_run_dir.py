@@ -125,3 +125,30 @@ def test_a_broken_launcher_environment_is_named_at_once(tmp_path: Path, name: st
     t0 = time.monotonic()
     _refused(run_cli("run", *QUICK, f"run.dir={tmp_path / 'run'}", env=env, timeout=30), needle)
     assert time.monotonic() - t0 < 10
+
+
+@pytest.mark.timeout(120)
+def test_a_full_disk_at_checkpoint_is_one_line_exit_4_and_the_summary_is_written(tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode()[:200]}")
+    try:
+        with open(disk / "filler", "wb") as f:  # leave the checkpoint folder no room at all
+            try:
+                while True:
+                    f.write(b"\0" * 4096)
+                    f.flush()
+            except OSError:
+                pass
+        run = lifecycle_run(tmp_path, 2, *QUICK, f"checkpoint.dir={disk / 'ck'}", timeout=90)
+        assert run.code == 4, run.output
+        assert "No space left on device" in run.output
+        assert "Traceback" not in run.proc.stderr, run.proc.stderr[-3000:]
+        summary = json.loads((run.run_dir / "summary.json").read_text())
+        assert summary["exit_code"] == 4 and summary["failures"]
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)

@@ -101,6 +101,11 @@ def _wait_of(rank: int, rec: JsonDict, records: dict[int, JsonDict | None],
     return Wait(name, group, seq, step, list(members), missing, rec.get("op") is not None)
 
 
+def _left_reporting_a_hang(rec: JsonDict | None) -> bool:
+    """The rank's own watchdog took it down for a hang (``state aborted``, ``watchdog: hang``)."""
+    return rec is not None and rec.get("state") == "aborted" and str(rec.get("error") or "") == "watchdog: hang"
+
+
 def stale_ranks(records: dict[int, JsonDict | None], now: float, stale_s: float) -> dict[int, str]:
     """Running ranks whose last record is older than ``stale_s`` (by the wall clock of the writer)."""
     out = {}
@@ -136,14 +141,20 @@ def diagnose(cause: str, detail: str, records: dict[int, JsonDict | None], world
     named = set().union(*(set(w.missing) for w in waits.values())) if waits else set()
     top = max((int(rec.get("sync", 0)) for rec in live.values()), default=0)
     lagging = {r: int(rec.get("sync", 0)) for r, rec in live.items() if int(rec.get("sync", 0)) < top}
-    # A rank that failed, died or diverged is the root cause; where the others wait is context.
-    known = set(dead) | (set(hint or []) if cause == "sequence" else set())
+    # A rank that failed, died or diverged is the root cause; where the others wait is context. A rank that left
+    # because its own watchdog reported a hang is a reporter, not a cause: the ranks the waits miss are.
+    reporters = {r for r in dead if _left_reporting_a_hang(records.get(r))}
+    if reporters and named - set(dead):
+        dead_causes = set(dead) - reporters
+    else:
+        dead_causes = set(dead)
+    known = dead_causes | (set(hint or []) if cause == "sequence" else set())
     if cause == "failed" and origin is not None:
         known.add(origin)
     if cause != "hang" and known:
         culprits = sorted(known)
     else:
-        culprits = sorted((named | set(lagging) | set(dead)) - (waiting - set(dead)))
+        culprits = sorted((named | set(lagging) | dead_causes) - (waiting - set(dead)))
     if not culprits and hint:
         culprits = sorted(set(hint))
     return Diagnosis(cause, detail, origin, phase, waits, culprits, dead, dict(records), lagging, now)

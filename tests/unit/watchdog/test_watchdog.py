@@ -115,6 +115,25 @@ def test_dead_and_failed_ranks_are_the_culprits() -> None:
     assert d.culprits == [2]
 
 
+def test_a_rank_that_left_reporting_a_hang_is_a_reporter_not_the_culprit() -> None:
+    """Ranks 0, 2, 3 wait in init for rank 1; rank 2's watchdog fired first and it left with the hang code: rank 3
+    sees rank 2 dead, yet the stuck rank is 1, the one every wait misses."""
+    waiting = ["init_process_group", "world", 3, None]
+    records: dict[int, dict[str, Any] | None] = {
+        0: _rec(0, "init", waiting, {"world": 3}, ranks=[0, 1, 2, 3]),
+        1: _rec(1, "init", None, {"world": 2}, last=["import:backend", "world", 2, None], ranks=[0, 1, 2, 3]),
+        2: {**_rec(2, "init", waiting, {"world": 3}, ranks=[0, 1, 2, 3]), "state": "aborted",
+            "error": "watchdog: hang"},
+        3: _rec(3, "init", waiting, {"world": 3}, ranks=[0, 1, 2, 3]),
+    }
+    d = diagnosis.diagnose("dead", "rank 2 ended (exit 3)", records, 4, dead={2: "exit 3"}, origin=2, now=100.0)
+    assert d.culprits == [1]
+    assert "stuck: rank 1 [" in diagnosis.render(d, 3)
+    records[2] = {**records[2], "error": None, "state": "failed"}  # a rank that failed by itself stays the cause
+    d = diagnosis.diagnose("dead", "rank 2 ended (exit 4)", records, 4, dead={2: "exit 4"}, origin=2, now=100.0)
+    assert d.culprits == [2]
+
+
 def test_stale_records_are_dead() -> None:
     records = {0: _rec(0, "train", None, {}), 1: {**_rec(1, "train", None, {}), "t": 50.0},
                2: {**_rec(2, "train", None, {}, state="exited"), "t": 10.0}}

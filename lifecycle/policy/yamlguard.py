@@ -52,14 +52,14 @@ def max_bytes() -> int:
     raw = os.environ.get(MAX_BYTES_ENV)
     if raw is None or raw.strip() == "":
         return DEFAULT_MAX_BYTES
-    try:
-        value = int(raw) if len(raw) <= 20 else -1
-    except ValueError:
-        value = -1
-    if value < 1:
+    text = raw.strip()
+    if not text.isascii() or not text.isdigit() or int(text[:20]) < 1:
         raise PolicyError.single(MAX_BYTES_ENV, "must be a positive number of bytes (e.g. 4194304 for 4 MiB); "
                                  "fix or unset the environment variable", raw[:40])
-    return value
+    if len(text) > 12:  # a policy file is read whole: a limit past a terabyte is no limit
+        raise PolicyError.single(MAX_BYTES_ENV, "is larger than 10^12 bytes; a policy file is read whole into "
+                                 "memory: give a limit of a few MiB", raw[:40])
+    return int(text)
 
 
 def read_policy_text(path: str | Path) -> str:

@@ -113,3 +113,12 @@ def test_bad_override(name: str) -> None:
 def test_corpus_is_complete() -> None:
     assert sorted(p.stem for p in BAD.glob("*.yaml")) == sorted(FILES)
     assert len(FILES) + len(OVERRIDES) >= 15
+
+
+@pytest.mark.parametrize(("value", "expected"), [
+    ("abc", "LIFECYCLE_MAX_POLICY_BYTES: must be a positive number of bytes"),
+    ("0", "LIFECYCLE_MAX_POLICY_BYTES: must be a positive number of bytes"),
+    (str(10**30), "LIFECYCLE_MAX_POLICY_BYTES: is larger than 10^12 bytes"),
+])
+def test_a_bad_size_limit_is_named(value: str, expected: str) -> None:
+    _check(run_cli("validate", env={"LIFECYCLE_MAX_POLICY_BYTES": value}), expected)

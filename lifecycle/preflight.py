@@ -83,14 +83,15 @@ def place_problem(run_dir: str, checkpoint_dir: str) -> list[PolicyIssue]:
 
 MARKER = ".lifecycle-run"
 """Written into every run directory lifecycle makes: a non-empty folder without it is someone else's."""
-_OURS = (MARKER, "policy.resolved.yaml", "attempt")
+_OURS = (MARKER, "policy.resolved.yaml", "attempt", ".lock")
 
 
 def check_owner(run_dir: str, adopt_existing: bool) -> None:
     """A non-empty ``run.dir`` that lifecycle did not make is refused (exit 2) unless ``run.adopt_existing``."""
     path = Path(run_dir)
     try:
-        entries = [p.name for p in path.iterdir()] if path.is_dir() else []
+        # Empty folders are nobody's data (the checkpoint folder other ranks create at start-up, say).
+        entries = [p.name for p in path.iterdir() if not _empty_dir(p)] if path.is_dir() else []
     except OSError:
         return  # dir_problem names it
     if not entries or adopt_existing or any(name in entries for name in _OURS):
@@ -99,6 +100,13 @@ def check_owner(run_dir: str, adopt_existing: bool) -> None:
     raise PolicyError.single("run.dir", f"is a non-empty folder lifecycle did not make ({shown}); a run would move "
                              f"its events/ and logs/ aside and overwrite summary.json: pick an empty or new folder, "
                              f"or set run.adopt_existing=true", run_dir)
+
+
+def _empty_dir(path: Path) -> bool:
+    try:
+        return path.is_dir() and not path.is_symlink() and next(path.iterdir(), None) is None
+    except OSError:
+        return False
 
 
 def mark_owner(run_dir: str | Path) -> None:

@@ -89,9 +89,12 @@ def own_run_dir(policy: Policy) -> Path:
     from lifecycle import preflight as checks
     from lifecycle import rundir
 
+    issues = checks.place_problem(policy.run.dir, policy.checkpoint.dir)
+    if issues:
+        raise PolicyError(issues, source="before launch")
+    checks.check_owner(policy.run.dir, policy.run.adopt_existing)  # before anything is created there
     checks.check_dirs(policy.run.dir, policy.checkpoint.dir)
     run_dir = Path(policy.run.dir).resolve()
-    checks.check_owner(str(run_dir), policy.run.adopt_existing)
     if run_dir not in _HELD:
         lock = rundir.RunLock(run_dir).acquire()
         if lock.took_over:

@@ -65,4 +65,31 @@ def user_dir(config_dir: str | Path | None) -> Path | None:
     if not is_dir:
         raise PolicyError.single("--config-dir", "is not a directory; pass the folder that holds your "
                                  "policy YAML", str(config_dir))
+    _no_shadows(path)
     return path
+
+
+def _no_shadows(path: Path) -> None:
+    """A ``*.yaml`` in the user's folder (or one group folder down) that is not a readable regular file (a dangling
+    symlink, a FIFO, a device) would be skipped by the search and the built-in of the same name used instead,
+    silently: refuse it, naming it."""
+    import stat
+
+    bad = []
+    try:
+        entries = [*path.glob("*.yaml"), *path.glob("*/*.yaml")]
+    except OSError:
+        return
+    for entry in entries[:10_000]:
+        try:
+            mode = entry.stat().st_mode
+        except OSError:
+            bad.append(f"{entry.relative_to(path)} (a dangling symlink)" if entry.is_symlink() else
+                       str(entry.relative_to(path)))
+            continue
+        if not stat.S_ISREG(mode):
+            bad.append(f"{entry.relative_to(path)} (not a regular file)")
+    if bad:
+        raise PolicyError.single("--config-dir", f"holds {', '.join(sorted(bad)[:5])}: a config there would "
+                                 f"silently fall back to the built-in of the same name; fix or remove it",
+                                 str(path), has_value=False)

@@ -218,6 +218,8 @@ class Job:
         and a model is watched. ``save`` says a checkpoint is due (the trainer's own, with :meth:`checkpoint`,
         when nothing is watched); ``stop`` says every rank agreed to stop."""
         self._open("boundary")
+        if not self._started and not self._run(self._before_first_step):
+            return Decision(save=False, stop=True)
         self.ctx.step = n
         decision = self._run(lambda: self.loop.boundary(self.ctx, n))
         return decision if decision is not None else Decision(False, False)
@@ -331,6 +333,7 @@ class Job:
         if self._started:
             return not self.loop.stopped
         self._started = True
+        self.loop.start(self.ctx, None)  # job.steps(total) sets the last step; a trainer's own loop never says
         if self.ctx.policy.checkpoint.on_signal and agree_stop(self.ctx):
             log.warning("preemption signal before training: stopping without a checkpoint")
             self.ctx.stop.stop_step = self.ctx.step

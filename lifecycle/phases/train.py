@@ -93,7 +93,7 @@ class StepLoop:
         """Called with the step number as each step begins (the zero-token guard's step)."""
         self._metrics: dict[str, float] = {}
 
-    def start(self, ctx: RunContext, total: int) -> None:
+    def start(self, ctx: RunContext, total: int | None) -> None:
         """Before the first step (after any resume): a resumed step counts as saved."""
         self.total = total
         self.saved_at = ctx.step if ctx.resumed_from is not None else None

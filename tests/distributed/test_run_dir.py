@@ -36,6 +36,7 @@ def test_places_a_run_must_not_take_are_refused_before_launch(tmp_path: Path) ->
              "checkpoint.dir: lies inside", "/events, which lifecycle moves aside")
     foreign = tmp_path / "foreign"
     (foreign / "events").mkdir(parents=True)
+    (foreign / "events" / "rank_0.jsonl").write_text("")
     (foreign / "notes.txt").write_text("mine")
     _refused(run_cli("run", "--nproc", "2", *QUICK, f"run.dir={foreign}"),
              "run.dir: is a non-empty folder lifecycle did not make (events, notes.txt)", "run.adopt_existing=true")
@@ -56,7 +57,7 @@ def test_a_fifo_as_attempt_counter_or_tracker_is_named_not_waited_on(tmp_path: P
     os.mkfifo(run / "attempt")
     _refused(run_cli("run", "--nproc", "2", *QUICK, f"run.dir={run}", timeout=30), "attempt: is a FIFO")
     (run / "attempt").unlink()
-    (run / "checkpoints").mkdir()
+    (run / "checkpoints").mkdir(exist_ok=True)
     os.mkfifo(run / "checkpoints" / "latest")
     _refused(run_cli("run", "--nproc", "2", *QUICK, f"run.dir={run}", timeout=30), "latest", "is a FIFO")
 
@@ -108,7 +109,7 @@ def test_a_rank_whose_files_hold_another_step_stops_every_rank_before_step_1(tmp
     again = lifecycle_run(tmp_path, 2, *QUICK, "train.steps=6", timeout=60)
     assert again.code == 2, again.output
     assert "loads different steps on different ranks (step 2: ranks [1]; step 4: ranks [0])" in again.output
-    steps = [e for evs in again.events.values() for e in evs if e["name"] == "step"]
+    steps = [e for evs in again.events().values() for e in evs if e["name"] == "step"]
     assert steps == []  # no rank trained a step
     assert (ckpt / "latest").read_text().strip() == "iter_0000004" and (ckpt / "iter_0000002").is_dir()
 
@@ -137,13 +138,13 @@ def test_a_full_disk_at_checkpoint_is_one_line_exit_4_and_the_summary_is_written
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode()[:200]}")
     try:
-        with open(disk / "filler", "wb") as f:  # leave the checkpoint folder no room at all
-            try:
+        try:  # leave the checkpoint folder no room at all
+            with open(disk / "filler", "wb") as f:
                 while True:
                     f.write(b"\0" * 4096)
                     f.flush()
-            except OSError:
-                pass
+        except OSError:
+            pass
         run = lifecycle_run(tmp_path, 2, *QUICK, f"checkpoint.dir={disk / 'ck'}", timeout=90)
         assert run.code == 4, run.output
         assert "No space left on device" in run.output

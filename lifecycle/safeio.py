@@ -46,22 +46,37 @@ def _refuse(path: Path, mode: int) -> RunDirError:
                        f"forever): remove it or move it out of the run directory", path=str(path))
 
 
-def open_regular(path: str | Path) -> BinaryIO:
-    """``open(path, "rb")`` that never blocks: anything but a regular file is a :class:`RunDirError` naming it
-    (``FileNotFoundError`` when missing)."""
-    path = Path(path)
+_NOCTTY = getattr(os, "O_NOCTTY", 0)
+
+
+def _regular_fd(path: Path, flags: int) -> int:
+    """``os.open(path, flags)`` without blocking; anything but a regular file is a :class:`RunDirError` naming it
+    (``FileNotFoundError`` passes through). The descriptor is blocking again once it is known to be a file."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOCTTY", 0))
+        fd = os.open(path, flags | os.O_NONBLOCK | os.O_CLOEXEC | _NOCTTY, 0o644)
     except FileNotFoundError:
         raise
     except OSError as exc:
-        raise RunDirError(f"{path}: cannot be opened ({exc.strerror or exc})", path=str(path)) from None
+        try:
+            mode = os.stat(path).st_mode
+        except OSError:
+            mode = stat.S_IFREG
+        if not stat.S_ISREG(mode):
+            raise _refuse(path, mode) from None  # e.g. a FIFO with no reader, opened for writing
+        raise RunDirError(f"{path}: cannot be opened ({exc.strerror or exc}); fix its permissions or remove it",
+                          path=str(path)) from None
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)
         raise _refuse(path, st.st_mode)
     os.set_blocking(fd, True)
-    return os.fdopen(fd, "rb")
+    return fd
+
+
+def open_regular(path: str | Path) -> BinaryIO:
+    """``open(path, "rb")`` that never blocks: anything but a regular file is a :class:`RunDirError` naming it
+    (``FileNotFoundError`` when missing)."""
+    return os.fdopen(_regular_fd(Path(path), os.O_RDONLY), "rb")
 
 
 def read_bytes(path: str | Path, *, limit: int = SMALL) -> bytes | None:
@@ -69,34 +84,21 @@ def read_bytes(path: str | Path, *, limit: int = SMALL) -> bytes | None:
     over ``limit`` bytes or one that cannot be read is a :class:`RunDirError` naming it."""
     path = Path(path)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOCTTY", 0))
+        f = open_regular(path)
     except FileNotFoundError:
         return None
-    except OSError as exc:
-        raise RunDirError(f"{path}: cannot be opened ({exc.strerror or exc}); fix its permissions or remove it",
-                          path=str(path)) from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise _refuse(path, st.st_mode)
-        if st.st_size > limit:
-            raise RunDirError(f"{path}: {st.st_size} bytes, more than the {limit} such a file can have; it is not one "
+    with f:
+        size = os.fstat(f.fileno()).st_size
+        if size > limit:
+            raise RunDirError(f"{path}: {size} bytes, more than the {limit} such a file can have; it is not one "
                               f"lifecycle wrote: remove it", path=str(path))
-        chunks, left = [], limit + 1
-        while left > 0:
-            chunk = os.read(fd, min(left, 1 << 20))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
-        data = b"".join(chunks)
-        if len(data) > limit:
-            raise RunDirError(f"{path}: grew past {limit} bytes while read; remove it", path=str(path))
-        return data
-    except OSError as exc:
-        raise RunDirError(f"{path}: cannot be read ({exc.strerror or exc})", path=str(path)) from None
-    finally:
-        os.close(fd)
+        try:
+            data = f.read(limit + 1)
+        except OSError as exc:
+            raise RunDirError(f"{path}: cannot be read ({exc.strerror or exc})", path=str(path)) from None
+    if len(data) > limit:
+        raise RunDirError(f"{path}: grew past {limit} bytes while read; remove it", path=str(path))
+    return data
 
 
 def read_text(path: str | Path, *, limit: int = SMALL) -> str | None:
@@ -159,37 +161,10 @@ def write_bytes(path: str | Path, data: bytes, *, fsync: bool = False) -> None:
 def open_rw(path: str | Path) -> int:
     """A file descriptor to read and write ``path`` (created when missing); anything but a regular file there is a
     :class:`RunDirError` naming it, never a hang."""
-    path = Path(path)
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOCTTY", 0), 0o644)
-    except OSError as exc:
-        raise RunDirError(f"{path}: cannot be opened ({exc.strerror or exc}); remove it", path=str(path)) from None
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        raise _refuse(path, st.st_mode)
-    os.set_blocking(fd, True)
-    return fd
+    return _regular_fd(Path(path), os.O_RDWR | os.O_CREAT)
 
 
 def open_append(path: str | Path) -> int:
     """A file descriptor to append to ``path`` (created when missing). Never blocks: anything but a regular file
     there is a :class:`RunDirError` naming it."""
-    path = Path(path)
-    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOCTTY", 0)
-    try:
-        fd = os.open(path, flags, 0o644)
-    except OSError as exc:
-        try:
-            mode = os.stat(path).st_mode
-        except OSError:
-            mode = 0
-        if mode and not stat.S_ISREG(mode):
-            raise _refuse(path, mode) from None
-        raise RunDirError(f"{path}: cannot be written ({exc.strerror or exc})", path=str(path)) from None
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        raise _refuse(path, st.st_mode)
-    os.set_blocking(fd, True)  # a regular file: writes are ordinary from here
-    return fd
+    return _regular_fd(Path(path), os.O_WRONLY | os.O_APPEND | os.O_CREAT)

@@ -13,7 +13,32 @@ from lifecycle.context import RunContext
 log = logging.getLogger(__name__)
 
 
-class MegatronGPTStep:
+class TorchDistCheckpoints:
+    """Save and load ``self.state`` (a :class:`~lifecycle.backends.megatron.model.TrainState`) in torch_dist format:
+    the checkpoint half of the built-in kind and of a trainer's watched megatron model."""
+
+    state: Any
+
+    def begin_save(self, ctx: RunContext, ckpt_dir: Path) -> Any:
+        """Collective on the default group (planning; first the parameter all-gather on each
+        distributed-optimizer instance's dp group with ``overlap_param_gather``); the writes follow on this
+        rank only."""
+        from lifecycle.backends.megatron import checkpoint
+
+        self.state.step = ctx.step
+        ck = ctx.policy.checkpoint
+        return checkpoint.begin_save(self.state, str(ckpt_dir), fully_parallel=ck.fully_parallel, async_=ck.async_)
+
+    def load(self, ctx: RunContext, ckpt_dir: Path) -> int:
+        """Collective on the default group."""
+        from lifecycle.backends.megatron import checkpoint
+
+        if not (ckpt_dir / "metadata.json").is_file():
+            raise FileNotFoundError(f"{ckpt_dir}/metadata.json is missing (not a complete checkpoint)")
+        return int(checkpoint.load(self.state, str(ckpt_dir)))
+
+
+class MegatronGPTStep(TorchDistCheckpoints):
     """The built-in step handler over :mod:`lifecycle.backends.megatron.model`."""
 
     def __init__(self, options: Any) -> None:
@@ -72,24 +97,6 @@ class MegatronGPTStep:
         if self.state.grad_norm is None:
             return {"loss": loss}
         return {"loss": loss, "grad_norm": self.state.grad_norm}
-
-    def begin_save(self, ctx: RunContext, ckpt_dir: Path) -> Any:
-        """Collective on the default group (planning; first the parameter all-gather on each
-        distributed-optimizer instance's dp group with ``overlap_param_gather``); the writes follow on this
-        rank only."""
-        from lifecycle.backends.megatron import checkpoint
-
-        self.state.step = ctx.step
-        ck = ctx.policy.checkpoint
-        return checkpoint.begin_save(self.state, str(ckpt_dir), fully_parallel=ck.fully_parallel, async_=ck.async_)
-
-    def load(self, ctx: RunContext, ckpt_dir: Path) -> int:
-        """Collective on the default group."""
-        from lifecycle.backends.megatron import checkpoint
-
-        if not (ckpt_dir / "metadata.json").is_file():
-            raise FileNotFoundError(f"{ckpt_dir}/metadata.json is missing (not a complete checkpoint)")
-        return int(checkpoint.load(self.state, str(ckpt_dir)))
 
     def close(self) -> None:
         if self.guard is not None:

@@ -3,9 +3,9 @@ saved and loaded exactly as the built-in kind's (:mod:`lifecycle.backends.megatr
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
+from lifecycle.backends.megatron.step import TorchDistCheckpoints
 from lifecycle.context import RunContext
 
 
@@ -25,7 +25,7 @@ def is_megatron(chunks: list[Any], optimizer: Any) -> bool:
         hasattr(unwrapped(c), "sharded_state_dict") for c in chunks)
 
 
-class WatchedMegatron:
+class WatchedMegatron(TorchDistCheckpoints):
     """The save/load half of a step handler over a trainer's model chunks and optimizer (torch_dist format)."""
 
     def __init__(self, chunks: list[Any], optimizer: Any) -> None:
@@ -45,22 +45,6 @@ class WatchedMegatron:
 
     def step(self, ctx: RunContext, step: int) -> dict[str, float]:
         raise RuntimeError("a watched model is stepped by the trainer's own loop")
-
-    def begin_save(self, ctx: RunContext, ckpt_dir: Path) -> Any:
-        """Collective on the default group (planning), as the built-in kind's save."""
-        from lifecycle.backends.megatron import checkpoint
-
-        self.state.step = ctx.step
-        ck = ctx.policy.checkpoint
-        return checkpoint.begin_save(self.state, str(ckpt_dir), fully_parallel=ck.fully_parallel, async_=ck.async_)
-
-    def load(self, ctx: RunContext, ckpt_dir: Path) -> int:
-        """Collective on the default group."""
-        from lifecycle.backends.megatron import checkpoint
-
-        if not (ckpt_dir / "metadata.json").is_file():
-            raise FileNotFoundError(f"{ckpt_dir}/metadata.json is missing (not a complete checkpoint)")
-        return int(checkpoint.load(self.state, str(ckpt_dir)))
 
     def close(self) -> None:
         self.state = None  # type: ignore[assignment]

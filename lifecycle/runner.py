@@ -153,12 +153,25 @@ def _launch(policy: Policy, nproc: int, run_dir: Path, overrides: Sequence[str])
     return int(result.exit_code)
 
 
+END_OF_JOB_TIMELINE_BYTES = 32 << 20
+"""Event files larger than this in all (about 150,000 events) are not drawn at the end of a job: the picture must
+not delay the exit code by more than a few seconds. ``lifecycle timeline RUN_DIR`` draws them on demand."""
+
+
 def _timeline(run_dir: Path) -> None:
     """The merged trace (and the PNG when matplotlib is installed); never changes the run's exit code."""
     import logging
 
     from lifecycle.obs import timeline
 
+    try:
+        size = sum(p.stat().st_size for p in (run_dir / "events").glob("rank_*.jsonl") if p.is_file())
+    except OSError:
+        size = 0
+    if size > END_OF_JOB_TIMELINE_BYTES:
+        print(f"trace    skipped at the end of the job: {size >> 20} MiB of events; draw it with `lifecycle "
+              f"timeline {run_dir}`", flush=True)
+        return
     try:
         timeline.main(run_dir)
     except Exception as exc:  # noqa: BLE001 - a picture must not fail a finished run

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 from pathlib import Path
 
 from lifecycle.errors import CheckpointError, PolicyError, PolicyIssue, UsageError
@@ -86,12 +87,17 @@ MARKER = ".lifecycle-run"
 _OURS = (MARKER, "policy.resolved.yaml", "attempt", ".lock")
 
 
-def check_owner(run_dir: str, adopt_existing: bool) -> None:
-    """A non-empty ``run.dir`` that lifecycle did not make is refused (exit 2) unless ``run.adopt_existing``."""
+def check_owner(run_dir: str, adopt_existing: bool, *, peers_starting: bool = False) -> None:
+    """A non-empty ``run.dir`` that lifecycle did not make is refused (exit 2) unless ``run.adopt_existing``.
+
+    ``peers_starting``: under torchrun/srun the other ranks of this job start at the same time and create their
+    own files before rank 0 looks (``events/rank_<R>.jsonl``, ``logs/``, the checkpoint folder): such files are
+    not counted."""
     path = Path(run_dir)
     try:
         # Empty folders are nobody's data (the checkpoint folder other ranks create at start-up, say).
-        entries = [p.name for p in path.iterdir() if not _empty_dir(p)] if path.is_dir() else []
+        entries = [p.name for p in path.iterdir() if not _empty_dir(p)
+                   and not (peers_starting and _peer_made(p))] if path.is_dir() else []
     except OSError:
         return  # dir_problem names it
     if not entries or adopt_existing or any(name in entries for name in _OURS):
@@ -100,6 +106,17 @@ def check_owner(run_dir: str, adopt_existing: bool) -> None:
     raise PolicyError.single("run.dir", f"is a non-empty folder lifecycle did not make ({shown}); a run would move "
                              f"its events/ and logs/ aside and overwrite summary.json: pick an empty or new folder, "
                              f"or set run.adopt_existing=true", run_dir)
+
+
+_PEER_FILES = {"events": re.compile(r"^rank_\d+\.jsonl$"), "logs": re.compile(r"^rank_\d+\.[a-z.]+$")}
+
+
+def _peer_made(path: Path) -> bool:
+    """A folder holding only what a starting rank of this job writes there (its events file, its log)."""
+    shape = _PEER_FILES.get(path.name)
+    if shape is None or not path.is_dir() or path.is_symlink():
+        return False
+    return all(shape.match(p.name) and p.is_file() for p in path.iterdir())
 
 
 def _empty_dir(path: Path) -> bool:

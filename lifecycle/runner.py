@@ -83,16 +83,17 @@ _HELD: dict[Path, object] = {}
 """The run directories this process holds the lock of (the launcher, or rank 0 under another launcher)."""
 
 
-def own_run_dir(policy: Policy) -> Path:
+def own_run_dir(policy: Policy, *, peers_starting: bool = False) -> Path:
     """Check where the run may write (before anything there is read or moved), then take the run directory's
-    lock: one launcher per run directory (a second one exits 2 naming the holder). The resolved run directory."""
+    lock: one launcher per run directory (a second one exits 2 naming the holder). The resolved run directory.
+    ``peers_starting``: rank 0 of a job other ranks of which start now (torchrun, srun, attach)."""
     from lifecycle import preflight as checks
     from lifecycle import rundir
 
     issues = checks.place_problem(policy.run.dir, policy.checkpoint.dir)
     if issues:
         raise PolicyError(issues, source="before launch")
-    checks.check_owner(policy.run.dir, policy.run.adopt_existing)  # before anything is created there
+    checks.check_owner(policy.run.dir, policy.run.adopt_existing, peers_starting=peers_starting)
     checks.check_dirs(policy.run.dir, policy.checkpoint.dir)
     run_dir = Path(policy.run.dir).resolve()
     if run_dir not in _HELD:
@@ -205,7 +206,7 @@ def prepare_rank_dir(policy: Policy, rank: int, world: int, overrides: Sequence[
     if rank == 0:
         from lifecycle import preflight as checks
 
-        run_dir = own_run_dir(policy)
+        run_dir = own_run_dir(policy, peers_starting=world > 1)
         if rundir.holds_run(run_dir) and policy.checkpoint.resume == "never":
             raise UsageError(f"run directory {run_dir} already holds a run and checkpoint.resume=never; set a new "
                              f"run id ({hint}) or checkpoint.resume=auto to continue it")

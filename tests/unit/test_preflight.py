@@ -198,3 +198,19 @@ def test_one_launcher_holds_a_run_directory(tmp_path: Path) -> None:
     taken = rundir.RunLock(tmp_path).acquire()
     assert taken.took_over == "host gone, pid 1, started then"
     taken.release()
+
+
+def test_files_a_starting_peer_writes_do_not_make_the_folder_foreign(tmp_path: Path) -> None:
+    """Under torchrun the other ranks create their event files before rank 0 looks; anything else still counts."""
+    from lifecycle.preflight import check_owner
+
+    (tmp_path / "events").mkdir()
+    (tmp_path / "events" / "rank_3.jsonl").write_text("")
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "rank_3.log").write_text("")
+    check_owner(str(tmp_path), False, peers_starting=True)
+    with pytest.raises(PolicyError, match=r"did not make \(events, logs\)"):
+        check_owner(str(tmp_path), False)
+    (tmp_path / "events" / "notes.txt").write_text("mine")
+    with pytest.raises(PolicyError, match=r"did not make \(events\)"):
+        check_owner(str(tmp_path), False, peers_starting=True)

@@ -197,16 +197,16 @@ def _managed(path: Path, run_dir: Path | None) -> str | None:
 def output_path(path: Path, flag: str, run_dir: Path | None = None) -> Path:
     """``path`` if a file can be written there (its folder is created); else a UsageError naming ``flag``. A file the
     run directory keeps (events, summary, policy, checkpoints ...) is refused."""
-    own = _managed(path, run_dir)
-    if own is not None:
-        raise UsageError(f"{flag} {path}: would overwrite the run's own {own}; write the trace elsewhere (the "
-                         f"default is {run_dir}/trace.json)")
     try:
         if path.is_dir():
             raise UsageError(f"{flag} {path}: is a directory; give a file name, e.g. {path / 'trace.json'}")
         blocker = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
         if blocker is not None:
             raise UsageError(f"{flag} {path}: {blocker} is a file, not a folder; choose another place")
+        own = _managed(path, run_dir)
+        if own is not None:
+            raise UsageError(f"{flag} {path}: would overwrite the run's own {own}; write the trace elsewhere (the "
+                             f"default is {run_dir}/trace.json)")
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise UsageError(f"{flag} {path}: cannot create its folder ({exc.strerror or exc}); choose a writable "

@@ -28,6 +28,7 @@ from lifecycle.errors import PolicyError, PolicyIssue, UsageError
 
 if TYPE_CHECKING:
     from lifecycle.policy.schema import Policy
+    from lifecycle.rundir import RunLock
 
 
 def _new_run_id() -> str:
@@ -49,7 +50,8 @@ def run(overrides: Sequence[str], *, nproc: int = 4, config_dir: str | None = No
 
 
 def preflight(policy: Policy, world_size: int) -> None:
-    """Everything checked before any rank starts (PolicyError/UsageError: exit 2)."""
+    """What the world size and the checkpoint folder decide before any rank starts (PolicyError/UsageError:
+    exit 2); the run's folders are checked by :func:`own_run_dir`."""
     from lifecycle import preflight as checks
     from lifecycle.policy.checks import world_issues
 
@@ -58,8 +60,7 @@ def preflight(policy: Policy, world_size: int) -> None:
         issues = _layout_issues(policy, world_size)
     if issues:
         raise PolicyError(issues, source=f"world size {world_size}")
-    checks.check_dirs(policy.run.dir, policy.checkpoint.dir)
-    ck = policy.checkpoint
+    ck = policy.checkpoint  # the folders themselves were checked when the run directory was taken (own_run_dir)
     checks.check_resume(ck.dir, ck.resume, ck.on_corrupt)
 
 
@@ -79,7 +80,7 @@ def _layout_issues(policy: Policy, world_size: int) -> list[PolicyIssue]:
     return []
 
 
-_HELD: dict[Path, object] = {}
+_HELD: dict[Path, RunLock] = {}
 """The run directories this process holds the lock of (the launcher, or rank 0 under another launcher)."""
 
 
@@ -108,7 +109,7 @@ def own_run_dir(policy: Policy, *, peers_starting: bool = False) -> Path:
 def release_run_dir(run_dir: Path) -> None:
     lock = _HELD.pop(Path(run_dir), None)
     if lock is not None:
-        lock.release()  # type: ignore[attr-defined]
+        lock.release()
 
 
 def launch(policy: Policy, nproc: int, *, overrides: Sequence[str] = ()) -> int:

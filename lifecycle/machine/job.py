@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from lifecycle.context import RunContext
     from lifecycle.distributed.parallel import ParallelState
     from lifecycle.machine.orchestrator import Orchestrator
+    from lifecycle.moe.zero_token import ZeroTokenGuard
     from lifecycle.policy.schema import Policy
 
 log = logging.getLogger(__name__)
@@ -147,7 +148,7 @@ class Job:
         self.exit_code: int | None = None
         self._watched = False
         self._checkpoints = False
-        self._guard: object | None = None
+        self._guard: ZeroTokenGuard | None = None
         self._started = False
         self._steps: Generator[int, None, None] | None = None
         self._dying = False
@@ -377,7 +378,11 @@ class Job:
         self._leave(self.exit_code)
 
     def _after(self) -> None:
-        """Stop the watchdog; rank 0 writes summary.json and the timeline (as the local launcher does)."""
+        """Remove the zero-token hooks, stop the watchdog; rank 0 writes summary.json and the timeline (as the local
+        launcher does)."""
+        guard, self._guard = self._guard, None
+        if guard is not None:
+            guard.remove()
         if self.ctx.watchdog is not None:
             self.ctx.watchdog.stop()
         if self.ctx.rank == 0:
@@ -398,7 +403,7 @@ def _no_steps() -> Generator[int, None, None]:
     yield from ()
 
 
-def _zero_token_guard(ctx: RunContext, loop: StepLoop, chunks: list[Module]) -> object | None:
+def _zero_token_guard(ctx: RunContext, loop: StepLoop, chunks: list[Module]) -> ZeroTokenGuard | None:
     action = ctx.policy.moe.zero_token.action
     if action == "off":
         return None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -105,7 +106,8 @@ def _fault(tmp_path: Path, sig: signal.Signals, rank: int, bound_s: float) -> tu
 def test_a_rank_killed_from_outside_is_named_and_the_job_exits_4(tmp_path: Path) -> None:
     code, out, run_dir, _ = _fault(tmp_path, signal.SIGKILL, 2, bound_s=20)
     assert code == 4, out[-3000:]  # a rank that died, whatever killed it: the policy's rank_failed code
-    assert "rank 2 failed first (signal SIGKILL) in phase train" in out, out[-3000:]
+    # Where the kill lands (a step or the periodic save every 5 steps) depends on the machine's speed.
+    assert re.search(r"rank 2 failed first \(signal SIGKILL\) in phase (train|checkpoint) ", out), out[-3000:]
     assert "Traceback" not in out, out[-4000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["exit_code"] == 4 and summary["blame"]["ranks"] == [2], summary["blame"]

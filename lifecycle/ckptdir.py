@@ -4,7 +4,7 @@
 
     <checkpoint.dir>/
       iter_0000010/            a committed checkpoint: the step handler's files, ``metadata.json`` (written last
-                               by the handler) and ``manifest.json`` (every file and its size, written at commit)
+                               by the handler) and ``manifest.json`` (every file, its size and sha256, written at commit)
       iter_0000020.tmp/        a save in progress or torn by a crash: never committed, never counted
       iter_0000015.corrupt-20261123T101500Z/   set aside: incomplete or failed to load (never deleted silently)
       latest                   the tracker: the folder name of the newest committed checkpoint
@@ -20,6 +20,7 @@ Pure Python (no torch): the launcher checks a checkpoint folder before any rank 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -64,17 +65,75 @@ def _atomic_write(path: Path, text: str) -> None:
 
 
 # ---- completeness ----------------------------------------------------------------------------------
-def write_manifest(folder: Path) -> None:
-    """Record every file of ``folder`` and its size (rank 0, at commit, after every rank's writes are durable)."""
+def listing(folder: Path) -> dict[str, int]:
+    """Every file of ``folder`` (relative name → size), the manifest excluded, in name order."""
     files = {}
     for path in sorted(folder.rglob("*")):
         if path.is_file() and path.name != MANIFEST:
             files[str(path.relative_to(folder))] = path.stat().st_size
-    _atomic_write(folder / MANIFEST, json.dumps({"format": 1, "files": files}, indent=0))
+    return files
+
+
+def share(names: list[str], rank: int, world: int) -> list[str]:
+    """The files rank ``rank`` of ``world`` digests (at commit) or checks (at resume): every world-th name."""
+    return sorted(names)[rank::max(world, 1)]
+
+
+def digest(path: Path) -> str:
+    """The sha256 of ``path``'s content (read in 4 MiB blocks; a FIFO there is an error, never a hang)."""
+    h = hashlib.sha256()
+    with safeio.open_regular(path) as f:
+        while block := f.read(4 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+def digests(folder: Path, names: list[str]) -> dict[str, str]:
+    return {name: digest(folder / name) for name in names}
+
+
+def write_manifest(folder: Path, sha256: dict[str, str] | None = None) -> None:
+    """Record every file of ``folder`` with its size and, for those in ``sha256``, its content digest (rank 0, at
+    commit, after every rank's writes are durable; the ranks digest their shares, see :func:`share`)."""
+    sha256 = sha256 or {}
+    files: dict[str, object] = {}
+    for name, size in listing(folder).items():
+        files[name] = {"bytes": size, "sha256": sha256[name]} if name in sha256 else size
+    _atomic_write(folder / MANIFEST, json.dumps({"format": 2, "files": files}, indent=0))
+
+
+@dataclass(frozen=True)
+class Listed:
+    bytes: int
+    sha256: str | None
+
+
+def read_manifest(folder: Path) -> dict[str, Listed] | None:
+    """The manifest's files (None when there is no manifest); a ValueError/RunDirError when it is malformed.
+    Format 1 lists sizes only; format 2 a size and a sha256 per file."""
+    manifest = folder / MANIFEST
+    if not manifest.exists() and not manifest.is_symlink():
+        return None
+    files = safeio.read_json(manifest, limit=64 << 20)["files"]  # type: ignore[index,call-overload]
+    out = {}
+    for name, value in files.items():
+        if isinstance(value, dict):
+            sha = value.get("sha256")
+            out[str(name)] = Listed(_size(value.get("bytes")), sha if isinstance(sha, str) else None)
+        else:
+            out[str(name)] = Listed(_size(value), None)
+    return out
+
+
+def _size(value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"not a file size: {value!r}")
+    return value
 
 
 def problem(folder: Path) -> str | None:
-    """Why ``folder`` is not a complete checkpoint, or None when it is. Local; reads sizes, not contents.
+    """Why ``folder`` is not a complete checkpoint, or None when it is. Local; reads sizes, not contents
+    (:func:`changed` checks contents at resume).
 
     A checkpoint with a manifest is complete when every listed file exists with its size (a truncated or
     missing shard is named); one without (written by megatron-core's own save or an older lifecycle) when
@@ -84,24 +143,40 @@ def problem(folder: Path) -> str | None:
         return "does not exist" if not folder.exists() else "is not a directory"
     if not (folder / COMPLETE).is_file():
         return f"{COMPLETE} is missing (the save never completed)"
-    manifest = folder / MANIFEST
-    if not manifest.exists():
-        return None
     try:
-        files = safeio.read_json(manifest, limit=16 << 20)["files"]  # type: ignore[index,call-overload]
-        listed = {str(k): int(v) for k, v in files.items()}
+        listed = read_manifest(folder)
     except safeio.RunDirError as exc:
         return f"{MANIFEST} is unreadable ({str(exc).split(': ', 1)[-1].split(';')[0]})"
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         return f"{MANIFEST} is unreadable ({type(exc).__name__})"
-    for name, size in listed.items():
+    for name, entry in (listed or {}).items():
         path = folder / name
         try:
             actual = path.stat().st_size
         except OSError:
             return f"{name} is missing"
-        if actual != size:
-            return f"{name} has {actual} bytes, {size} were written (truncated or overwritten)"
+        if actual != entry.bytes:
+            return f"{name} has {actual} bytes, {entry.bytes} were written (truncated or overwritten)"
+    return None
+
+
+def changed(folder: Path, rank: int, world: int) -> str | None:
+    """This rank's share of the content check at resume: the first file whose sha256 differs from the one recorded
+    at commit, named, or None. Every rank checks a different share, so the whole checkpoint is read once, in
+    parallel; a checkpoint without digests (format 1, megatron-core's own save) passes."""
+    try:
+        listed = read_manifest(folder) or {}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None  # problem() names an unreadable manifest
+    recorded = {name: e.sha256 for name, e in listed.items() if e.sha256}
+    for name in share(list(recorded), rank, world):
+        try:
+            actual = digest(folder / name)
+        except OSError as exc:
+            return f"{name} cannot be read ({getattr(exc, 'strerror', None) or exc})"
+        if actual != recorded[name]:
+            return (f"{name} does not hold what was committed (sha256 {actual[:12]}..., {recorded[name][:12]}... "
+                    f"at commit): overwritten or corrupted since")
     return None
 
 

@@ -98,9 +98,10 @@ def finish_pending(ctx: RunContext) -> None:
     with ctx.events.span("commit", step=pending.step, path=str(pending.final)) as extra:
         _agree(ctx, pending, key, deadline)
         ctx.observe("checkpoint", time.monotonic() - t0)  # the wait for every rank's writes: the long part
+        sha256 = digest_shares(ctx, pending.tmp, key, deadline)
         if ctx.rank == 0:
             try:
-                _commit(ctx, pending)
+                _commit(ctx, pending, sha256)
             except OSError as exc:  # a full disk: the previous checkpoint and its tracker are still in place
                 raise PhaseError(f"checkpoint step {pending.step}: committing {pending.final} failed "
                                  f"({exc.strerror or exc}); the last committed checkpoint stays the tracker's: free "
@@ -135,10 +136,42 @@ def _gloo_group(ctx: RunContext) -> ProcessGroup:
     return ctx.ckpt_group
 
 
-def _commit(ctx: RunContext, pending: PendingSave) -> None:
+def digest_shares(ctx: RunContext, folder: Path, key: str, deadline: float) -> dict[str, str] | None:
+    """``checkpoint.verify: digest``: every rank hashes its share of ``folder``'s files (every rank calls it, once
+    every write is durable) and hands the digests to rank 0 through the store; rank 0 gets them all (the files its
+    own listing holds that no rank hashed, it hashes itself), the other ranks None. Bounded by a store barrier
+    that names the ranks that did not hand theirs in."""
+    import json
+
+    from lifecycle.distributed.barrier import store_barrier
+
+    if ctx.policy.checkpoint.verify != "digest":
+        return None
+    names = list(ckptdir.listing(folder)) if folder.is_dir() else []
+    with ctx.events.span("digest", path=str(folder)) as extra:
+        mine = ckptdir.digests(folder, ckptdir.share(names, ctx.rank, ctx.world_size))
+        extra["files"] = len(mine)
+        if ctx.world_size == 1:
+            return mine
+        store = ctx.require_store()
+        if ctx.rank != 0:
+            store.set(f"{key}/sha256/{ctx.rank}", json.dumps(mine))
+        with ctx.events.span("barrier:ckpt_digested", group="world", via="store"):
+            store_barrier(store, f"{key}/digested", ctx.rank, _all_ranks(ctx), deadline, phase="checkpoint",
+                          group="world")
+        if ctx.rank != 0:
+            return None
+        for r in range(1, ctx.world_size):
+            mine.update(json.loads(store.get(f"{key}/sha256/{r}")))
+            store.delete_key(f"{key}/sha256/{r}")
+        mine.update(ckptdir.digests(folder, [n for n in names if n not in mine]))
+        return mine
+
+
+def _commit(ctx: RunContext, pending: PendingSave, sha256: dict[str, str] | None) -> None:
     """Rank 0: manifest, rename into place, tracker, prune. Each step keeps the tracker's invariant."""
     root = pending.final.parent
-    ckptdir.write_manifest(pending.tmp)
+    ckptdir.write_manifest(pending.tmp, sha256)
     ckptdir.fsync_dir(pending.tmp)
     tracked = ckptdir.read_tracker(root).name
     if pending.final.exists():
@@ -164,6 +197,11 @@ def _is_interrupt(exc: BaseException) -> bool:
 def _try_load(ctx: RunContext, path: Path) -> str | None:
     """Load ``path`` on this rank; the reason it failed, or None. torch's CheckpointException derives from
     BaseException: everything but an interrupt is a load failure here."""
+    if ctx.policy.checkpoint.verify == "digest":
+        with ctx.events.span("verify", path=str(path)):
+            changed = ckptdir.changed(path, ctx.rank, ctx.world_size)
+        if changed is not None:
+            return changed
     try:
         with ctx.events.span("resume", path=str(path)):
             ctx.step = int(_handler(ctx).load(ctx, path))
@@ -339,8 +377,9 @@ class TrainerSave:
                 store_barrier(ctx.require_store(), key, ctx.rank, _all_ranks(ctx), self.deadline,
                               phase="checkpoint", group="world")
             ctx.observe("checkpoint", time.monotonic() - self._t0)
+            sha256 = digest_shares(ctx, path, key, self.deadline) if path is not None else None
             if path is not None and ctx.rank == 0:
-                _commit_folder(path, self.step)
+                _commit_folder(path, self.step, sha256)
             with ctx.events.span("barrier:ckpt_committed", group="world", via="store"):
                 store_barrier(ctx.require_store(), f"{key}/committed", ctx.rank, _all_ranks(ctx), self.deadline,
                               phase="checkpoint", group="world")
@@ -354,13 +393,13 @@ class Phases(Protocol):
     def enter(self, phase: str) -> None: ...
 
 
-def _commit_folder(path: Path, step: int) -> None:
+def _commit_folder(path: Path, step: int, sha256: dict[str, str] | None) -> None:
     """Rank 0, once every rank's writes are done: the manifest, fsync, then the trackers (atomically)."""
     if not path.is_dir():
         raise CheckpointError(f"job.checkpoint({step}): the trainer's save left no folder at {path}; nothing to "
                               f"commit (the trackers still name the last committed checkpoint)", path=str(path),
                               phase="checkpoint", rank=0)
-    ckptdir.write_manifest(path)
+    ckptdir.write_manifest(path, sha256)
     ckptdir.fsync_dir(path)
     ckptdir.write_tracker(path.parent, step)
     log.info("checkpoint step %d committed (the trainer's save): %s", step, path)

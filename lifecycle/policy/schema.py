@@ -109,6 +109,9 @@ class CheckpointConfig(Section):
     """Spread the write of replicated tensors over the data-parallel ranks."""
     coordination: Literal["store", "gloo"] = "store"
     """How ranks agree that every write is durable: the TCPStore or a dedicated gloo group (never NCCL)."""
+    verify: Literal["digest", "size"] = "digest"
+    """What a resume checks of the files it loads: digest (the ranks hash their shares at commit and check them at
+    resume, so a replaced or corrupted file is named before step 1) or size (the manifest's sizes only)."""
     keep_last: NonNegativeInt = 2
     """Committed checkpoints kept; 0 keeps all."""
     resume: Literal["auto", "never", "required"] = "auto"

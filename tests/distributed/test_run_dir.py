@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -100,15 +101,22 @@ def test_fifos_as_summaries_never_hang_a_rerun(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_a_rank_whose_files_hold_another_step_stops_every_rank_before_step_1(tmp_path: Path) -> None:
-    first = lifecycle_run(tmp_path, 2, *QUICK)
+@pytest.mark.parametrize("verify", ["digest", "size"])
+def test_a_rank_whose_files_hold_another_step_stops_every_rank_before_step_1(tmp_path: Path, verify: str) -> None:
+    first = lifecycle_run(tmp_path, 2, *QUICK, f"checkpoint.verify={verify}")
     assert first.code == 0, first.output
     ckpt = first.run_dir / "checkpoints"
+    manifest = json.loads((ckpt / "iter_0000004" / "manifest.json").read_text())["files"]
+    assert isinstance(manifest["rank_1.pt"], dict if verify == "digest" else int), manifest
     # rank 1's shard of the tracked step 4 replaced by its step-2 file: same size, so the manifest's sizes agree
     shutil.copyfile(ckpt / "iter_0000002" / "rank_1.pt", ckpt / "iter_0000004" / "rank_1.pt")
-    again = lifecycle_run(tmp_path, 2, *QUICK, "train.steps=6", timeout=60)
+    again = lifecycle_run(tmp_path, 2, *QUICK, "train.steps=6", f"checkpoint.verify={verify}", timeout=60)
     assert again.code == 2, again.output
-    assert "loads different steps on different ranks (step 2: ranks [1]; step 4: ranks [0])" in again.output
+    if verify == "digest":  # rank 1 checks its share of the files against the digests recorded at commit
+        assert re.search(r"iter_0000004: rank_1\.pt does not hold what was committed \(sha256 \w+\.\.\., \w+\.\.\. at "
+                         r"commit\)", again.output), again.output
+    else:  # sizes agree: the ranks' loaded steps are compared before step 1
+        assert "loads different steps on different ranks (step 2: ranks [1]; step 4: ranks [0])" in again.output
     steps = [e for evs in again.events().values() for e in evs if e["name"] == "step"]
     assert steps == []  # no rank trained a step
     assert (ckpt / "latest").read_text().strip() == "iter_0000004" and (ckpt / "iter_0000002").is_dir()

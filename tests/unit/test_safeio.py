@@ -106,3 +106,26 @@ def test_any_tracker_content_is_read_or_named_never_raised(content: bytes) -> No
         (Path(d) / ckptdir.TRACKER).write_bytes(content)
         tracker = ckptdir.read_tracker(Path(d))
         assert (tracker.name is None) != (tracker.error is None)
+
+
+def test_manifest_digests_name_a_changed_file_and_older_manifests_still_load(tmp_path: Path) -> None:
+    folder = tmp_path / "iter_0000001"
+    (folder / "sub").mkdir(parents=True)
+    for name, data in (("metadata.json", b"{}"), ("rank_0.pt", b"a" * 100), ("sub/rank_1.pt", b"b" * 100)):
+        (folder / name).write_bytes(data)
+    names = list(ckptdir.listing(folder))
+    shares = [ckptdir.share(names, r, 2) for r in range(2)]
+    assert sorted(shares[0] + shares[1]) == sorted(names) and not set(shares[0]) & set(shares[1])
+    ckptdir.write_manifest(folder, ckptdir.digests(folder, names))
+    assert ckptdir.problem(folder) is None
+    assert all(ckptdir.changed(folder, r, 2) is None for r in range(2))
+    (folder / "sub" / "rank_1.pt").write_bytes(b"c" * 100)  # same size, other content
+    assert ckptdir.problem(folder) is None  # sizes cannot tell
+    found = [ckptdir.changed(folder, r, 2) for r in range(2)]
+    assert sum(f is not None for f in found) == 1  # exactly the rank whose share holds it
+    assert "sub/rank_1.pt does not hold what was committed" in next(f for f in found if f)
+    # A manifest of sizes only (format 1, older lifecycle) is complete and has nothing to check.
+    (folder / "manifest.json").write_text(json.dumps({"format": 1, "files": {n: 100 for n in names if "pt" in n}}))
+    assert ckptdir.problem(folder) is None and ckptdir.changed(folder, 0, 1) is None
+    (folder / "manifest.json").write_text(json.dumps({"format": 2, "files": {"rank_0.pt": {"bytes": True}}}))
+    assert "manifest.json is unreadable (ValueError)" == ckptdir.problem(folder)

@@ -4,6 +4,8 @@ metadata, garbage tracker), resumes and prunes.
 
 Invariants, checked after every operation of lifecycle's own (not after the damage the test does itself):
 - the tracker names a complete checkpoint that exists (or there is no tracker and no committed checkpoint);
+- a resume loads only what was committed, byte for byte (a shard changed in place, sizes intact, is refused by its
+  digest and the next older checkpoint is loaded);
 - nothing disappears without a trace: a folder that is gone was a complete checkpoint deleted by pruning,
   never the tracker's nor the one the run resumed from, with at least ``keep_last`` complete newer ones
   left; an incomplete or corrupt folder is only ever renamed aside.
@@ -155,6 +157,8 @@ class CheckpointMachine(RuleBasedStateMachine):
         except CheckpointError:
             raise AssertionError("resume with on_corrupt=fallback raised") from None
         self.resumed_from = self.ctx.resumed_from
+        if self.resumed_from is not None:  # what a resume loads is what was committed, byte for byte
+            assert ckptdir.changed(self.root / ckptdir.iter_name(self.resumed_from), 0, 1) is None
 
     @rule()
     def prune(self) -> None:
@@ -171,6 +175,16 @@ class CheckpointMachine(RuleBasedStateMachine):
         folder = data.draw(st.sampled_from(self._complete()))
         shard = folder / "rank_0.pt"
         shard.write_bytes(shard.read_bytes()[: max(shard.stat().st_size // 2, 1)])
+        self.damaged = True
+
+    @precondition(lambda self: bool(self._complete()))
+    @rule(data=st.data(), flip=st.integers(0, 1 << 16))
+    def overwrite_shard_same_size(self, data: st.DataObject, flip: int) -> None:
+        """Content changed, sizes intact: only the digests recorded at commit can tell."""
+        shard = data.draw(st.sampled_from(self._complete())) / "rank_0.pt"
+        raw = bytearray(shard.read_bytes())
+        raw[flip % len(raw)] ^= 0xFF
+        shard.write_bytes(bytes(raw))
         self.damaged = True
 
     @precondition(lambda self: bool(self._complete()))

@@ -195,18 +195,52 @@ def _start_attempt(run_dir: Path) -> int:
     return 1
 
 
+def record_attempt(run_dir: Path, attempt: int) -> None:
+    """Record ``attempt`` as the run's current one (rank 0, when the ranks agreed on another number than it counted)."""
+    safeio.write_text(Path(run_dir) / ATTEMPT, f"{attempt}\n")
+
+
+_AGREED_WITHIN = 256
+"""Events at the head of a rank's file searched for the attempt the ranks agreed on (it follows init)."""
+
+
 def _first_attempt(path: Path) -> int | None:
-    """The ``attempt`` of the first event in ``path`` (1 for files written before attempts were recorded)."""
+    """The attempt ``path`` was written in: the number the ranks agreed on at init when it differs from the one this
+    rank counted (an ``attempt`` event with ``counted``), else the first event's (1 for files written before
+    attempts were recorded); None when there is no such file."""
     try:
         with safeio.open_regular(path) as f:
-            first = f.readline(1 << 16)
+            head = [f.readline(1 << 16) for _ in range(_AGREED_WITHIN)]
     except OSError:
         return None
+    found = None
+    for n, line in enumerate(head):
+        try:
+            event = json.loads(line)
+        except (ValueError, TypeError, RecursionError):
+            event = None
+        if not isinstance(event, dict):
+            if n == 0:
+                return 1
+            continue
+        if n == 0 or (event.get("name") == "attempt" and "counted" in event):
+            try:
+                found = max(int(event.get("attempt", 1)), 1)
+            except (ValueError, TypeError):
+                found = found or 1
+    return found or 1
+
+
+def newer_attempt(run_dir: Path, attempt: int) -> int | None:
+    """The newer attempt the run directory records, when a rank of ``attempt`` is still alive after it started (under
+    torchrun/SLURM a requeued job can start while the old one drains): such a rank must not commit or report into
+    the new attempt's files. None otherwise (a missing or unreadable record fences nothing)."""
     try:
-        event = json.loads(first)
-        return max(int(event.get("attempt", 1)), 1) if isinstance(event, dict) else 1
-    except (ValueError, TypeError):
-        return 1
+        text = safeio.read_text(Path(run_dir) / ATTEMPT, limit=64)
+        current = int(text.strip()) if text else 0
+    except (safeio.RunDirError, OSError, ValueError):
+        return None
+    return current if current > attempt else None
 
 
 def earlier_attempts(run_dir: Path) -> list[JsonDict]:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from lifecycle import ckptdir
+from lifecycle import ckptdir, rundir
 from lifecycle.errors import CheckpointError, PhaseError
 from lifecycle.phases.points import run_points
 
@@ -168,8 +168,18 @@ def digest_shares(ctx: RunContext, folder: Path, key: str, deadline: float) -> d
         return mine
 
 
+def _fence(ctx: RunContext, step: int) -> None:
+    """Rank 0 of an attempt that a newer one replaced (still alive under torchrun/SLURM) must not commit."""
+    newer = rundir.newer_attempt(ctx.run_dir, ctx.attempt)
+    if newer is not None:
+        raise PhaseError(f"checkpoint step {step}: attempt {newer} of this run has started in {ctx.run_dir}; this "
+                         f"rank belongs to attempt {ctx.attempt} and stops without committing (the new attempt owns "
+                         f"the trackers)", phase="checkpoint", rank=ctx.rank)
+
+
 def _commit(ctx: RunContext, pending: PendingSave, sha256: dict[str, str] | None) -> None:
     """Rank 0: manifest, rename into place, tracker, prune. Each step keeps the tracker's invariant."""
+    _fence(ctx, pending.step)
     root = pending.final.parent
     ckptdir.write_manifest(pending.tmp, sha256)
     ckptdir.fsync_dir(pending.tmp)
@@ -379,6 +389,7 @@ class TrainerSave:
             ctx.observe("checkpoint", time.monotonic() - self._t0)
             sha256 = digest_shares(ctx, path, key, self.deadline) if path is not None else None
             if path is not None and ctx.rank == 0:
+                _fence(ctx, self.step)
                 _commit_folder(path, self.step, sha256)
             with ctx.events.span("barrier:ckpt_committed", group="world", via="store"):
                 store_barrier(ctx.require_store(), f"{key}/committed", ctx.rank, _all_ranks(ctx), self.deadline,

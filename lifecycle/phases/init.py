@@ -95,7 +95,8 @@ class InitPhase:
                 ctx.parallel.initialize(ctx.policy.parallelism, ctx.deadline("init"))
 
     def _check_policy(self, ctx: RunContext) -> None:
-        """All-gather every rank's policy sha256 on the default group; any difference is an error."""
+        """All-gather every rank's policy sha256 and attempt number on the default group; a policy that differs is
+        an error, an attempt number that differs is agreed (:func:`_agree_attempt`)."""
         import torch
         import torch.distributed as dist
 
@@ -103,7 +104,8 @@ class InitPhase:
         from lifecycle.policy.load import sha256
 
         digest = sha256(ctx.policy)
-        mine = torch.frombuffer(bytearray(bytes.fromhex(digest)), dtype=torch.uint8).to(device_for())
+        payload = bytes.fromhex(digest) + min(ctx.attempt, 1 << 31).to_bytes(4, "little")
+        mine = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device_for())
         out = [torch.zeros_like(mine) for _ in range(ctx.world_size)]
         ctx.drills.fire("init", op="check_policy_hash", group="world")
         with ctx.events.span("check_policy_hash", group="world"):
@@ -111,10 +113,33 @@ class InitPhase:
             wait_works([work], "all_gather", "world", list(range(ctx.world_size)), ctx.deadline("init"),
                   time.monotonic())
         ctx.op_counts["world"] += 1
-        digests = [bytes(t.cpu().tolist()).hex() for t in out]
+        rows = [bytes(t.cpu().tolist()) for t in out]
+        digests = [row[:32].hex() for row in rows]
+        _agree_attempt(ctx, [int.from_bytes(row[32:], "little") for row in rows])
         majority = max(set(digests), key=digests.count)
         differ = [r for r, d in enumerate(digests) if d != majority]
         if differ:
             raise PhaseError(f"the resolved policy differs between ranks: ranks {differ} have another sha256 "
                              f"than the majority ({majority[:12]}); launch every rank with the same policy and "
                              f"overrides", phase="init", rank=ctx.rank, group="world")
+
+
+def _agree_attempt(ctx: RunContext, attempts: list[int]) -> None:
+    """Every rank continues as the newest attempt any rank counted (under torchrun/srun each rank counts from its
+    own events file, and a replaced node's or a wiped local run directory counts from 1). Ranks that counted
+    another number say so, record the agreed one, and rank 0 records it in the run directory, which fences off
+    ranks of older attempts (:func:`lifecycle.rundir.fence`)."""
+    from lifecycle import rundir
+
+    agreed = max(attempts)
+    if agreed == ctx.attempt and len(set(attempts)) == 1:
+        return
+    if ctx.rank == 0:
+        others = {r: a for r, a in enumerate(attempts) if a != agreed}
+        log.warning("the ranks counted different attempts (%s): all continue as attempt %d",
+                    ", ".join(f"rank {r}: {a}" for r, a in sorted(others.items())[:8]), agreed)
+        if agreed != ctx.attempt:
+            rundir.record_attempt(ctx.run_dir, agreed)
+    if agreed != ctx.attempt:
+        ctx.events.instant("attempt", attempt=agreed, counted=ctx.attempt, world_size=ctx.world_size)
+        ctx.attempt = agreed

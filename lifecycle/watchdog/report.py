@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from lifecycle import rundir, safeio
 from lifecycle.jsontypes import JsonDict
-from lifecycle.rundir import HANG_REPORT, local_report_name
+from lifecycle.rundir import HANG_REPORT, local_report_name, newer_attempt
 from lifecycle.watchdog import diagnosis
 
 if TYPE_CHECKING:
@@ -44,7 +44,10 @@ def publish(ctx: RunContext, d: diagnosis.Diagnosis, *, dump_stacks: bool) -> No
         extra.append(f"  NCCL flight recorder: {fr}")
     # The first report of an attempt is the one nearest the cause: a later one (a frozen rank thawed by the
     # launcher's shutdown sees its peers gone) never replaces it.
-    if writer == ctx.rank:
+    newer = newer_attempt(ctx.run_dir, ctx.attempt)
+    if newer is not None:  # a rank of a replaced attempt, still alive: the new attempt's report is not its to write
+        extra[0] = f"  full report: not written (attempt {newer} of this run has started; this rank is of {ctx.attempt})"
+    elif writer == ctx.rank:
         data = {**d.to_json(), "reporter": ctx.rank, "world_size": ctx.world_size, "attempt": ctx.attempt,
                 "flight_recorder": fr}
         # A report left by an earlier attempt that nobody archived (a per-node run dir) does not count.

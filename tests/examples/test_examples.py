@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from lifecycle import rundir
 from lifecycle.obs.events import read_events
 from tests.distributed.runs import FAST, SYNTHETIC
 from tests.helpers import ROOT, run_cli
@@ -45,6 +46,30 @@ def test_torchrun_example_runs_each_rank(tmp_path: Path) -> None:
     for evs in events.values():
         assert [e for e in evs if e["name"] == "exit"][0]["exit_code"] == 0
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "iter_0000003"
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(170)
+def test_torchrun_ranks_agree_on_the_attempt_when_a_node_lost_its_files(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    first = _torchrun_example(tmp_path, f"run.dir={run_dir}", "train.steps=2", "checkpoint.every_steps=0")
+    assert first.returncode == 0, first.stdout + first.stderr
+    # Rank 1 runs on a replaced node: its local files of attempt 1 are gone, so it counts this as attempt 1.
+    (run_dir / "events" / "rank_1.jsonl").unlink()
+    again = _torchrun_example(tmp_path, f"run.dir={run_dir}", "train.steps=3", "checkpoint.every_steps=0")
+    out = again.stdout + again.stderr
+    assert again.returncode == 0, out
+    assert "the ranks counted different attempts (rank 1: 1): all continue as attempt 2" in out, out[-3000:]
+    assert "attempt 2: resumed from step 2" in out, out[-3000:]
+    agreed = [e for e in read_events(run_dir)[1] if e["name"] == "attempt"]
+    assert [(e["attempt"], e.get("counted")) for e in agreed] == [(1, None), (2, 1)]
+    # The next attempt counts on from the agreed number on every rank, without a warning.
+    third = _torchrun_example(tmp_path, f"run.dir={run_dir}", "train.steps=4", "checkpoint.every_steps=0")
+    out = third.stdout + third.stderr
+    assert third.returncode == 0 and "counted different attempts" not in out, out[-3000:]
+    for evs in read_events(run_dir).values():
+        assert [e["attempt"] for e in evs if e["name"] == "attempt"] == [3]
+    assert (run_dir / rundir.ATTEMPT).read_text().strip() == "3"
 
 
 @pytest.mark.distributed

@@ -129,3 +129,17 @@ def test_manifest_digests_name_a_changed_file_and_older_manifests_still_load(tmp
     assert ckptdir.problem(folder) is None and ckptdir.changed(folder, 0, 1) is None
     (folder / "manifest.json").write_text(json.dumps({"format": 2, "files": {"rank_0.pt": {"bytes": True}}}))
     assert "manifest.json is unreadable (ValueError)" == ckptdir.problem(folder)
+
+
+def test_the_attempt_the_ranks_agreed_on_is_what_the_next_attempt_counts_from(tmp_path: Path) -> None:
+    events = tmp_path / "rank_1.jsonl"
+    lines = [{"t": 1, "kind": "instant", "name": "attempt", "attempt": 1}]
+    lines += [{"t": 2 + i, "kind": "begin", "name": "x"} for i in range(5)]
+    lines += [{"t": 9, "kind": "instant", "name": "attempt", "attempt": 3, "counted": 1}]
+    events.write_text("".join(json.dumps(e) + "\n" for e in lines))
+    assert rundir._first_attempt(events) == 3  # counted 1 (its file was gone), agreed 3 at init
+    events.write_text(json.dumps(lines[0]) + "\n")
+    assert rundir._first_attempt(events) == 1
+    assert rundir._first_attempt(tmp_path / "missing.jsonl") is None
+    events.write_bytes(b"\xff garbage\n")
+    assert rundir._first_attempt(events) == 1

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from lifecycle import rundir
 from lifecycle.context import RunContext
 from lifecycle.errors import CheckpointError, PhaseError, PolicyError
 from lifecycle.obs.events import read_events
@@ -160,6 +161,25 @@ def test_async_checkpoint_commits_at_the_next_boundary(make_ctx: MakeCtx, tmp_pa
     checkpoint.finish_pending(ctx)
     assert [Path(p).name for p in ctx.saved] == ["iter_0000002", "iter_0000003"]
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "iter_0000003"
+
+
+def test_a_rank_of_a_replaced_attempt_never_commits(make_ctx: MakeCtx, tmp_path: Path) -> None:
+    ctx = _init(make_ctx({"train": {"steps": 4}, "checkpoint": {"every_steps": 2}}))
+    run = TrainPhase(checkpoint.save)
+    ctx.step_handler = run._build(ctx)
+    ctx.step_handler.setup(ctx)
+    ctx.step = 2
+    checkpoint.save(ctx, "periodic")
+    root = tmp_path / "ckpt"
+    assert (root / "latest").read_text().strip() == "iter_0000002"
+    # A requeued job started attempt 2 in this run directory while this rank (attempt 1) still runs.
+    (ctx.run_dir / rundir.ATTEMPT).write_text("2\n")
+    ctx.step = 4
+    with pytest.raises(PhaseError, match="attempt 2 of this run has started .* belongs to attempt 1 and stops "
+                                         "without committing"):
+        checkpoint.save(ctx, "periodic")
+    assert (root / "latest").read_text().strip() == "iter_0000002" and not (root / "iter_0000004").exists()
+    assert rundir.newer_attempt(ctx.run_dir, 2) is None and rundir.newer_attempt(ctx.run_dir, 1) == 2
 
 
 def test_resume_required_without_a_checkpoint_is_an_error(make_ctx: MakeCtx) -> None:

@@ -11,9 +11,11 @@ Pure Python: no torch.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -142,16 +144,23 @@ def write_text(path: str | Path, text: str, *, fsync: bool = False) -> None:
 
 def write_bytes(path: str | Path, data: bytes, *, fsync: bool = False) -> None:
     """:func:`write_text` for bytes."""
+    with replacing(path) as tmp, open(tmp, "wb") as f:
+        f.write(data)
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
+
+
+@contextlib.contextmanager
+def replacing(path: str | Path) -> Iterator[Path]:
+    """A temporary name beside ``path`` to write; it replaces ``path`` atomically when the block ends without an
+    error (a FIFO or stale file at ``path`` is replaced, never opened), and is removed when it does not."""
     path = Path(path)
     if path.is_dir() and not path.is_symlink():
         raise RunDirError(f"{path}: is a directory where lifecycle keeps a file; remove it", path=str(path))
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            if fsync:
-                f.flush()
-                os.fsync(f.fileno())
+        yield tmp
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

@@ -127,18 +127,7 @@ def read_events(run_dir: Path, problems: list[str] | None = None) -> dict[int, l
     rank. When ``problems`` is given, one line per file with skipped content is appended to it.
     """
     out: dict[int, list[dict[str, Any]]] = {}
-    folder = Path(run_dir) / "events"
-    try:
-        paths = sorted(folder.glob("rank_*.jsonl"))
-    except OSError as exc:
-        _note(problems, f"{folder}: cannot list ({exc.strerror or exc}); no events read")
-        return out
-    for path in paths:
-        rank = _rank_of(path)
-        if rank is None or not path.is_file():
-            _note(problems, f"{path.name}: {'not a rank number' if rank is None else 'not a regular file'}; "
-                  "skipped")
-            continue
+    for rank, path in rank_files(run_dir, problems):
         events, bad = _read_lines(path, problems)
         if bad:
             _note(problems, f"{path.name}: {bad} malformed line{'s' if bad > 1 else ''} skipped")
@@ -152,8 +141,14 @@ def _rank_of(path: Path) -> int | None:
 
 
 def _read_lines(path: Path, problems: list[str] | None) -> tuple[list[dict[str, Any]], int]:
-    events: list[dict[str, Any]] = []
-    bad = 0
+    bad = [0]
+    events = list(iter_file(path, problems, bad))
+    return events, bad[0]
+
+
+def iter_file(path: Path, problems: list[str] | None = None, bad: list[int] | None = None) -> Iterator[dict[str, Any]]:
+    """The JSON objects of one event file, one line at a time (memory: one line). Lines that are not one are
+    counted in ``bad[0]``; a file that cannot be read (a FIFO, a read error) is noted in ``problems``."""
     try:
         with safeio.open_regular(path) as f:  # a FIFO named like an event file would block a plain open()
             for raw in f:
@@ -162,14 +157,33 @@ def _read_lines(path: Path, problems: list[str] | None) -> tuple[list[dict[str, 
                 except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
                     event = None
                 if isinstance(event, dict):
-                    events.append(event)
-                elif raw.strip():
-                    bad += 1
+                    yield event
+                elif raw.strip() and bad is not None:
+                    bad[0] += 1
     except safeio.RunDirError as exc:
         _note(problems, f"{path.name}: skipped: {str(exc).split(': ', 1)[-1].split(';')[0]}")
     except OSError as exc:
         _note(problems, f"{path.name}: cannot read ({exc.strerror or exc}); the rest of the file skipped")
-    return events, bad
+
+
+def rank_files(run_dir: Path, problems: list[str] | None = None) -> list[tuple[int, Path]]:
+    """``(rank, path)`` of every ``events/rank_<R>.jsonl`` that is a regular file named by a rank, in rank order;
+    the others noted in ``problems``."""
+    folder = Path(run_dir) / "events"
+    try:
+        paths = sorted(folder.glob("rank_*.jsonl"))
+    except OSError as exc:
+        _note(problems, f"{folder}: cannot list ({exc.strerror or exc}); no events read")
+        return []
+    out = []
+    for path in paths:
+        rank = _rank_of(path)
+        if rank is None or not path.is_file():
+            _note(problems, f"{path.name}: {'not a rank number' if rank is None else 'not a regular file'}; "
+                  "skipped")
+            continue
+        out.append((rank, path))
+    return sorted(out)
 
 
 def _note(problems: list[str] | None, text: str) -> None:

@@ -7,6 +7,7 @@ is closed at the rank's last recorded event, which is the last moment we know th
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,21 +67,23 @@ def valid_events(events: list[Any]) -> list[dict[str, Any]]:
 
 def rank_spans(rank: int, events: list[dict[str, Any]]) -> list[Span]:
     """Pair one rank's begin/end events (file order = emission order) into spans, cut spans included."""
-    events = valid_events(events)
-    if not events:
-        return []
+    return sorted(iter_spans(rank, valid_events(events)), key=lambda s: (s.start_us, s.depth))
+
+
+def iter_spans(rank: int, events: Iterable[dict[str, Any]]) -> Iterator[Span]:
+    """:func:`rank_spans` over a stream of well-formed events, each span yielded when it closes (cut spans at the
+    end): memory is the open spans, not the events."""
     stack: list[tuple[dict[str, Any], int]] = []
-    spans: list[Span] = []
+    last_t = -1
     for e in events:
+        last_t = max(last_t, e["t"])
         if e["kind"] == "begin":
             stack.append((e, len(stack)))
         elif e["kind"] == "end":
-            spans.extend(_close(rank, stack, e))
-    last_t = max(e["t"] for e in events)
+            yield from _close(rank, stack, e)
     while stack:
         begin, depth = stack.pop()
-        spans.append(Span(rank, begin["name"], begin["t"], max(last_t, begin["t"]), depth, begin, None))
-    return sorted(spans, key=lambda s: (s.start_us, s.depth))
+        yield Span(rank, begin["name"], begin["t"], max(last_t, begin["t"]), depth, begin, None)
 
 
 def _close(rank: int, stack: list[tuple[dict[str, Any], int]], end: dict[str, Any]) -> list[Span]:

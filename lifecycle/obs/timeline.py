@@ -12,18 +12,20 @@ or chrome://tracing.
 from __future__ import annotations
 
 import gzip
+import io
 import json
 import math
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from lifecycle import safeio
 from lifecycle.errors import ExitCode, UsageError
-from lifecycle.obs.events import read_events
-from lifecycle.obs.spans import COMMON_KEYS, Span, rank_spans, valid_events
+from lifecycle.obs.events import iter_file, rank_files, read_events
+from lifecycle.obs.spans import COMMON_KEYS, Span, is_valid, iter_spans, valid_events
 
 CUT_NOTE = "no end event: the rank died or was killed inside this span; closed at its last event"
 _CATEGORIES = (("phase:", "phase"), ("warm:", "collective"), ("barrier:", "barrier"), ("teardown:", "teardown"))
@@ -81,11 +83,26 @@ def build_trace(events: dict[int, list[dict[str, Any]]], meta: dict[str, Any] | 
         label = f"rank {rank}" + (f" (local {evs[0]['local_rank']})" if "local_rank" in evs[0] else "")
         out.append(_meta("thread_name", pid, rank, name=label))
         out.append(_meta("thread_sort_index", pid, rank, sort_index=rank))
-        body = [_complete(s, pid, t0) for s in rank_spans(rank, evs)]
-        body += [x for e in evs for x in _points(e, pid, t0)]
-        out.extend(sorted(body, key=lambda x: (x["ts"], -x.get("dur", 0))))
+        out.extend(sorted(_body(rank, pid, t0, valid_events(evs)), key=lambda x: (x["ts"], -x.get("dur", 0))))
     other = {"t0_us_since_epoch": t0, "ranks": len(events), "hosts": hosts, **(meta or {})}
     return {"traceEvents": out, "displayTimeUnit": "ms", "metadata": other}
+
+
+def _body(rank: int, pid: int, t0: int, events: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """One rank's trace events from a stream of its well-formed events: a complete event per span as it closes, the
+    instants and counters as they come (memory: the open spans and the points since the last close)."""
+    pending: list[dict[str, Any]] = []
+
+    def feed() -> Iterator[dict[str, Any]]:
+        for e in events:
+            pending.extend(_points(e, pid, t0))
+            yield e
+
+    for span in iter_spans(rank, feed()):
+        yield from pending
+        pending.clear()
+        yield _complete(span, pid, t0)
+    yield from pending
 
 
 def _meta(kind: str, pid: int, tid: int | None, **args: Any) -> dict[str, Any]:
@@ -150,22 +167,146 @@ def _run_meta(run_dir: Path) -> dict[str, Any]:
     return {k: s[k] for k in keep if k in s} if isinstance(s, dict) else {}
 
 
+@dataclass
+class _Head:
+    """What the first pass learns of one rank's event file."""
+
+    path: Path
+    first: dict[str, Any]
+    t_min: int
+    t_max: int
+    steps: int = 0
+
+
+def scan(run_dir: Path, problems: list[str] | None = None) -> dict[int, _Head]:
+    """First pass over the event files, one line in memory at a time: each rank's first event, time range and step
+    count; skipped lines, events and files noted in ``problems``. A clear :class:`UsageError` when there is none."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise UsageError(f"{run_dir} is not a directory; give the run directory of `lifecycle run` "
+                         f"(its run.dir, e.g. runs/<name>-<id>)")
+    heads: dict[int, _Head] = {}
+    for rank, path in rank_files(run_dir, problems):
+        bad, malformed, head = [0], 0, None
+        for e in iter_file(path, problems, bad):
+            if not is_valid(e):
+                malformed += 1
+            elif head is None:
+                head = _Head(path, e, e["t"], e["t"])
+            else:
+                head.t_min, head.t_max = min(head.t_min, e["t"]), max(head.t_max, e["t"])
+                head.steps += e["name"] == "step" and e["kind"] == "begin"
+        if bad[0] and problems is not None:
+            problems.append(f"{path.name}: {bad[0]} malformed line{'s' if bad[0] > 1 else ''} skipped")
+        if malformed and problems is not None:
+            problems.append(f"rank_{rank}.jsonl: {malformed} malformed event{'s' if malformed > 1 else ''} skipped "
+                            "(a wrong type of t, kind, name, host, rank or dur_us)")
+        if head is not None:
+            heads[rank] = head
+    if not heads:
+        raise UsageError(f"no events in {run_dir / 'events'} (expected rank_<R>.jsonl files written by "
+                         f"`lifecycle run`); is {run_dir} a run directory?")
+    return heads
+
+
+def _stream(head: _Head) -> Iterator[dict[str, Any]]:
+    return (e for e in iter_file(head.path) if is_valid(e))
+
+
+def write_streaming(heads: dict[int, _Head], path: Path, meta: dict[str, Any]
+                    ) -> tuple[int, dict[int, list[dict[str, Any]]]]:
+    """Second pass: write the trace of :func:`build_trace` rank by rank as the events stream by (spans in the
+    order they close; viewers sort), and keep the few events the Gantt chart draws (phases, commits, resumes,
+    markers, every k-th step). Returns (trace events written, the Gantt's events by rank)."""
+    from lifecycle.obs import gantt
+
+    t0 = min(h.t_min for h in heads.values())
+    hosts = sorted({h.first.get("host", "?") for h in heads.values()})
+    pids = {h: i for i, h in enumerate(hosts)}
+    drawn: dict[int, list[dict[str, Any]]] = {}
+    n = 0
+    with safeio.replacing(path) as tmp:
+        raw = open(tmp, "wb")  # noqa: SIM115 - closed by the with below, through the gzip or text wrapper
+        binary = gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) if path.suffix == ".gz" else raw
+        with raw, binary, io.TextIOWrapper(binary, encoding="utf-8") as f:
+            f.write('{"traceEvents":[')
+            sep = ""
+            for host, pid in pids.items():
+                for m in (_meta("process_name", pid, None, name=host),
+                          _meta("process_sort_index", pid, None, sort_index=pid)):
+                    f.write(sep + json.dumps(m, separators=(",", ":")))
+                    sep = ","
+            for rank, head in sorted(heads.items()):
+                pid = pids[head.first.get("host", "?")]
+                label = f"rank {rank}" + (f" (local {head.first['local_rank']})" if "local_rank" in head.first else "")
+                for m in (_meta("thread_name", pid, rank, name=label),
+                          _meta("thread_sort_index", pid, rank, sort_index=rank)):
+                    f.write(sep + json.dumps(m, separators=(",", ":")))
+                keep = _Drawn(head, gantt, drawn.setdefault(rank, []))
+                for x in _body(rank, pid, t0, keep.filter(_stream(head))):
+                    f.write("," + json.dumps(x, separators=(",", ":"), default=str))
+                    n += 1
+                keep.close()
+            other = {"t0_us_since_epoch": t0, "ranks": len(heads), "hosts": hosts, **meta}
+            f.write('],"displayTimeUnit":"ms","metadata":' + json.dumps(other, default=str) + "}")
+    return n, drawn
+
+
+class _Drawn:
+    """Collects, as a rank's events stream by, the ones the Gantt chart needs: phase and commit/resume spans, the
+    marker instants, init_process_group, about 2 x MAX_TICKS step spans, and the rank's first and last moments."""
+
+    def __init__(self, head: _Head, gantt: Any, into: list[dict[str, Any]]) -> None:
+        self.head, self.gantt, self.into = head, gantt, into
+        self.every = max(1, head.steps // (2 * gantt.MAX_TICKS))
+        self.seen_steps, self.in_step = 0, False
+        into.append({"t": head.t_min, "kind": "instant", "name": "first event"})
+
+    def filter(self, events: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+        for e in events:
+            self._keep(e)
+            yield e
+
+    def _keep(self, e: dict[str, Any]) -> None:
+        name, kind = e["name"], e["kind"]
+        if name == "step" and kind in ("begin", "end"):
+            if kind == "begin":
+                self.in_step = self.seen_steps % self.every == 0
+                self.seen_steps += 1
+            if self.in_step:
+                self.into.append(e)
+        elif (name.startswith("phase:") or name in self.gantt.SPAN_MARKERS or name == "init_process_group"
+              or (kind == "instant" and self.gantt._marker(name) is not None)):
+            self.into.append(e)
+
+    def close(self) -> None:
+        self.into.append({"t": self.head.t_max, "kind": "instant", "name": "last event"})
+
+
 def main(run_dir: str | Path, out: str | Path | None = None, png: str | Path | None = None,
          *, no_png: bool = False) -> int:
-    """Write ``RUN_DIR/trace.json`` (or ``out``) and ``RUN_DIR/timeline.png`` (or ``png``); return the exit code."""
+    """Write ``RUN_DIR/trace.json`` (or ``out``) and ``RUN_DIR/timeline.png`` (or ``png``); return the exit code.
+
+    Two streaming passes over the event files: memory stays bounded by one rank's open spans and the Gantt's few
+    events, not by the number of events (bench/timeline_memory.py)."""
     from lifecycle.obs import gantt
 
     run_dir = Path(run_dir)
     problems: list[str] = []
-    events = load(run_dir, problems)
+    heads = scan(run_dir, problems)
     trace_path = output_path(Path(out) if out else run_dir / "trace.json", "--out", run_dir)
     png_path = None if no_png else output_path(Path(png) if png else run_dir / "timeline.png", "--png", run_dir)
     _report(problems)
     meta = {"run_dir": str(run_dir.resolve()), **_run_meta(run_dir)}
-    trace = build_trace(events, meta)
-    path = _writing(trace_path, "--out", lambda: write_trace(trace, trace_path))
-    n = sum(1 for e in trace["traceEvents"] if e["ph"] != "M")
-    print(f"trace    {path} ({n} events, {len(events)} ranks): open it in https://ui.perfetto.dev "
+    written: list[tuple[int, dict[int, list[dict[str, Any]]]]] = []
+
+    def write() -> Path:
+        written.append(write_streaming(heads, trace_path, meta))
+        return trace_path
+
+    path = _writing(trace_path, "--out", write)
+    n, events = written[0]
+    print(f"trace    {path} ({n} events, {len(heads)} ranks): open it in https://ui.perfetto.dev "
           f"or chrome://tracing")
     if png_path is None:
         return ExitCode.OK

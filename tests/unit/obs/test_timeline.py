@@ -10,11 +10,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lifecycle.errors import UsageError
-from lifecycle.obs import timeline
+from lifecycle.obs import gantt, timeline
 from lifecycle.obs.events import EventLog
-from lifecycle.obs.spans import rank_spans
+from lifecycle.obs.spans import phase_of, rank_spans
 
 PHASES = ["X", "i", "M", "C"]
 
@@ -189,13 +191,15 @@ def test_malformed_lines_events_and_files_are_skipped_and_counted(tmp_path: Path
     problems: list[str] = []
     events = timeline.load(tmp_path, problems)
     assert list(events) == [0] and [e["name"] for e in events[0]] == ["phase:train", "phase:train", "mem"]
-    assert problems == ["rank_0.jsonl: 5 malformed lines skipped", "rank_1.jsonl: 9 malformed lines skipped",
-                        "rank_2.jsonl: not a regular file; skipped", "rank_x.jsonl: not a rank number; skipped",
-                        "rank_0.jsonl: 8 malformed events skipped (a wrong type of t, kind, name, host, rank or "
-                        "dur_us)"]
+    expected = ["rank_0.jsonl: 5 malformed lines skipped", "rank_1.jsonl: 9 malformed lines skipped",
+                "rank_2.jsonl: not a regular file; skipped", "rank_x.jsonl: not a rank number; skipped",
+                "rank_0.jsonl: 8 malformed events skipped (a wrong type of t, kind, name, host, rank or dur_us)"]
+    assert sorted(problems) == sorted(expected)
     trace = timeline.build_trace(events)
     check_trace(trace)
     assert not [e for e in trace["traceEvents"] if e["ph"] == "C"]  # a nan value draws no counter
+    scanned: list[str] = []  # the streaming first pass of `lifecycle timeline` finds the same
+    assert list(timeline.scan(tmp_path, scanned)) == [0] and sorted(scanned) == sorted(expected)
 
 
 @pytest.mark.timeout(60)
@@ -223,3 +227,55 @@ def test_an_unwritable_png_is_a_usage_error(tmp_path: Path) -> None:
     _real_run(tmp_path)
     with pytest.raises(UsageError, match="--png .*/proc/version"):
         timeline.main(tmp_path, png="/proc/version")
+
+
+_NAMES = ("phase:init", "phase:train", "step", "save", "commit", "warm:all_reduce", "barrier:x", "init_process_group")
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(st.lists(st.lists(st.tuples(st.sampled_from(["begin", "end", "instant", "scalar"]), st.sampled_from(_NAMES),
+                                   st.integers(0, 50)), max_size=40), min_size=1, max_size=3))
+def test_the_streamed_trace_is_the_in_memory_one_and_the_gantt_keeps_every_phase(
+        rows: list[list[tuple[str, str, int]]]) -> None:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        run_dir = Path(tmp)
+        t = 1000
+        for rank, row in enumerate(rows):
+            events = [_ev(t, "instant", "attempt", rank=rank, attempt=1)]
+            for kind, name, dt in row:  # any order: unmatched ends, unclosed begins, cut spans
+                t += dt
+                events.append(_ev(t, kind, name, rank=rank, step=dt, value=1.0, loss=0.5))
+            _write(run_dir, rank, events)
+        heads = timeline.scan(run_dir)
+        n, drawn = timeline.write_streaming(heads, run_dir / "t.json", {})
+        streamed = json.loads((run_dir / "t.json").read_text())
+        in_memory = timeline.build_trace(timeline.load(run_dir))
+        check_trace(streamed)
+
+        def key(e: dict[str, Any]) -> str:
+            return json.dumps(e, sort_keys=True)
+
+        assert sorted(map(key, streamed["traceEvents"])) == sorted(map(key, in_memory["traceEvents"]))
+        assert n == sum(e["ph"] != "M" for e in in_memory["traceEvents"])
+        assert streamed["metadata"] == in_memory["metadata"]
+        full = timeline.load(run_dir)
+        for rank in full:  # the Gantt's phase bars from the kept events are those of all the events
+            def phases(evs: list[dict[str, Any]], r: int = rank) -> list[tuple[str, int, int, bool]]:
+                return [(s.name, s.start_us, s.end_us, s.cut) for s in rank_spans(r, evs) if phase_of(s)]
+
+            assert phases(drawn[rank]) == phases(full[rank])
+
+
+def test_the_gantt_keeps_about_two_ticks_per_drawn_step_of_a_long_run(tmp_path: Path) -> None:
+    events = [_ev(0, "begin", "phase:train")]
+    for step in range(1, 5001):
+        events += [_ev(10 * step, "begin", "step", step=step), _ev(10 * step + 5, "end", "step", step=step)]
+    _write(tmp_path, 0, events)  # no end of phase:train: cut at the last step's end
+    _, drawn = timeline.write_streaming(timeline.scan(tmp_path), tmp_path / "t.json.gz", {})
+    steps = [e for e in drawn[0] if e["name"] == "step"]
+    assert 2 * gantt.MAX_TICKS <= len(steps) // 2 <= 4 * gantt.MAX_TICKS
+    cut = [s for s in rank_spans(0, drawn[0]) if s.name == "phase:train"]
+    assert cut[0].cut and cut[0].end_us == 50005
+    assert json.loads(gzip.decompress((tmp_path / "t.json.gz").read_bytes()))["metadata"]["ranks"] == 1

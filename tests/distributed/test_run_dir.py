@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -161,3 +162,83 @@ def test_a_full_disk_at_checkpoint_is_one_line_exit_4_and_the_summary_is_written
         assert summary["exit_code"] == 4 and summary["failures"]
     finally:
         subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+def _launch(run_dir: Path, steps: int, *extra: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "lifecycle", "run", "--nproc", "2", f"run.dir={run_dir}", *SYNTHETIC,
+                             *FAST, f"train.steps={steps}", "checkpoint.every_steps=2", "checkpoint.keep_last=2",
+                             *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+
+
+def _tracked(run_dir: Path) -> int:
+    tracker = run_dir / "checkpoints" / "latest"
+    return int(tracker.read_text().split("_")[1]) if tracker.is_file() else 0
+
+
+def _one_run(run_dir: Path, how: str, steps: int) -> int | None:
+    """One attempt: ``ok`` trains to the end, ``crash`` loses rank 1 at a step (exit 4), ``kill`` SIGKILLs the launcher
+    and its ranks from outside once the attempt committed a checkpoint (no exit code, no summary). Returns the code."""
+    before = _tracked(run_dir)
+    if how == "crash":
+        proc = _launch(run_dir, steps, f"+faults=[{{at: train, step: {before + 3}, ranks: [1], action: crash}}]")
+    elif how == "kill":
+        proc = _launch(run_dir, steps, "train.options.step_sleep_s=0.05")
+    else:
+        proc = _launch(run_dir, steps)
+    try:
+        if how == "kill":
+            deadline = time.monotonic() + 60
+            while _tracked(run_dir) <= before and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+            return None
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == (0 if how == "ok" else 4), out[-3000:]
+        return proc.returncode
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+@pytest.mark.timeout(170)
+def test_any_sequence_of_runs_kills_and_reruns_keeps_committed_work_and_lists_every_attempt(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    from hypothesis import HealthCheck, Phase, example, given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=1, deadline=None, derandomize=True, database=None, phases=[Phase.explicit, Phase.generate],
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+    @given(st.lists(st.sampled_from(["ok", "crash", "kill"]), min_size=2, max_size=3))
+    @example(["crash", "kill"])  # each launch costs seconds: one fixed mix, one drawn (no shrinking)
+    def runs(plan: list[str]) -> None:
+        run_dir = tmp_path_factory.mktemp("seq") / "run"
+        codes: list[int | None] = []
+        newest = 0
+        for n, how in enumerate([*plan, "ok"], start=1):  # the last re-run always finishes
+            codes.append(_one_run(run_dir, how, steps=8 * n))
+            tracked = _tracked(run_dir)
+            assert tracked >= newest, f"attempt {n} ({how}): the tracker went back from step {newest} to {tracked}"
+            newest = tracked
+            ckpt = run_dir / "checkpoints"
+            # Every committed checkpoint is there or was pruned by keep_last (the newest two, plus the one the last
+            # attempt resumed from, which pruning never takes), and what is there is complete.
+            kept = sorted(p.name for p in ckpt.iterdir() if re.fullmatch(r"iter_\d{7}", p.name))
+            assert kept[-1] == f"iter_{tracked:07d}" and len(kept) <= 3, kept
+            from lifecycle import ckptdir
+
+            assert all(ckptdir.problem(ckpt / k) is None for k in kept), kept
+        assert codes[-1] == 0 and newest == 8 * (len(plan) + 1)
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["attempt"] == len(plan) + 1 and summary["exit_code"] == 0
+        earlier = summary["earlier_attempts"]
+        assert [a["attempt"] for a in earlier] == list(range(1, len(plan) + 1)), earlier
+        for attempt, code in zip(earlier, codes, strict=False):
+            if code is None:
+                assert attempt["outcome"] == "no summary (the launcher did not finish)", attempt
+            else:
+                assert attempt["exit_code"] == code, (attempt, codes)
+
+    runs()

@@ -207,11 +207,6 @@ def _is_interrupt(exc: BaseException) -> bool:
 def _try_load(ctx: RunContext, path: Path) -> str | None:
     """Load ``path`` on this rank; the reason it failed, or None. torch's CheckpointException derives from
     BaseException: everything but an interrupt is a load failure here."""
-    if ctx.policy.checkpoint.verify == "digest":
-        with ctx.events.span("verify", path=str(path)):
-            changed = ckptdir.changed(path, ctx.rank, ctx.world_size)
-        if changed is not None:
-            return changed
     try:
         with ctx.events.span("resume", path=str(path)):
             ctx.step = int(_handler(ctx).load(ctx, path))
@@ -220,6 +215,22 @@ def _try_load(ctx: RunContext, path: Path) -> str | None:
             raise
         return _reason(exc)
     return None
+
+
+def _verify_then_load(ctx: RunContext, path: Path) -> tuple[str | None, list[int], dict[int, int]]:
+    """This rank's reason the checkpoint is unusable (or None), the ranks on which it is, and the step every rank
+    loaded. With ``checkpoint.verify: digest`` every rank first checks its share of the files and the ranks agree on
+    the outcome before any of them starts the load: the load is collective (torch_dist), so a rank that skipped it
+    would leave the others in a mismatched collective."""
+    if ctx.policy.checkpoint.verify == "digest":
+        with ctx.events.span("verify", path=str(path)):
+            changed = ckptdir.changed(path, ctx.rank, ctx.world_size)
+        failed, steps = _agree_loaded(ctx, changed is not None)
+        if failed:
+            return changed or f"files changed since the commit (found by ranks {failed}; see their logs)", failed, steps
+    local = _try_load(ctx, path)
+    failed, steps = _agree_loaded(ctx, local is not None)
+    return local, failed, steps
 
 
 def _reason(exc: BaseException) -> str:
@@ -299,8 +310,7 @@ def resume(ctx: RunContext) -> None:
     for name, reason in rejected.items():
         log.warning("checkpoint %s is unusable: %s", name, reason)
     for path in found.paths:
-        local = _try_load(ctx, path)
-        failed, steps = _agree_loaded(ctx, local is not None)
+        local, failed, steps = _verify_then_load(ctx, path)
         if not failed:
             _same_step(ctx, path, steps)
             _loaded(ctx, root, path, tracker, rejected)

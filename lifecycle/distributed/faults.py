@@ -42,9 +42,10 @@ class Drills:
         self.rank = rank
         self.crash_code = crash_code
         self.pending = [f for f in faults if rank in f.ranks]
-        # slow drills act at every step from their step on: kept apart from the fire-once drills
-        self.slow = [f for f in self.pending if f.action == "slow"]
-        self.pending = [f for f in self.pending if f.action != "slow"]
+        # slow drills in train act at every step from their step on: kept apart from the fire-once drills (a slow
+        # drill at checkpoint fires once, before its op: a slow file system or a late writer)
+        self.slow = [f for f in self.pending if f.action == "slow" and f.at == "train"]
+        self.pending = [f for f in self.pending if f not in self.slow]
         self._slow_started: set[int] = set()
         self.on_fire = on_fire
         if self.pending or self.slow:
@@ -102,6 +103,9 @@ class Drills:
                              group=group)
         if f.action == "signal":
             os.kill(os.getpid(), signal.SIGTERM)
+            return False
+        if f.action == "slow":
+            time.sleep(f.seconds or 0.0)
             return False
         return f.action == "skip"
 

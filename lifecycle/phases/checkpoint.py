@@ -41,6 +41,10 @@ class PendingSave:
     reason: str
 
 
+ASYNC_COMMIT = "async_commit"
+"""The reason that asks the checkpoint phase to commit the pending async save (at the next step boundary)."""
+
+
 def _all_ranks(ctx: RunContext) -> list[int]:
     return list(range(ctx.world_size))
 
@@ -52,11 +56,14 @@ def _handler(ctx: RunContext) -> StepHandler:
 
 
 def save(ctx: RunContext, reason: str) -> None:
-    """Save at the current step. Every rank calls it at the same step boundary."""
+    """Save at the current step (``reason`` ASYNC_COMMIT: only commit the pending async save). Every rank calls it
+    at the same step boundary, in the checkpoint phase."""
     from lifecycle.distributed.barrier import store_barrier
 
     if ctx.pending_save is not None:
         finish_pending(ctx)
+    if reason == ASYNC_COMMIT:
+        return
     deadline = ctx.deadline("checkpoint")
     run_points(ctx, "before_checkpoint", deadline)
     root = Path(ctx.policy.checkpoint.dir)

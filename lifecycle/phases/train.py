@@ -140,6 +140,19 @@ class StepLoop:
         ctx.events.step = None
         if ctx.policy.checkpoint.at_end and self.saved_at != ctx.step and ctx.step > 0:
             self._save(ctx, "end")
+        self.commit_pending(ctx)  # before teardown, whose hard deadline is not the checkpoint's
+
+    def commit_pending(self, ctx: RunContext) -> None:
+        """Commit the async save still pending, in the checkpoint phase: judged by the checkpoint deadline, not by
+        the (maybe learned, seconds-short) step deadline."""
+        if ctx.pending_save is None:
+            return
+        from lifecycle.phases.checkpoint import ASYNC_COMMIT, finish_pending
+
+        if self.checkpoint is not None:
+            self.checkpoint(ctx, ASYNC_COMMIT)
+        else:
+            finish_pending(ctx)
 
     def finish(self, ctx: RunContext, *, save: bool) -> None:
         """A trainer's loop ended: read a stop flag still in flight (every rank issued it), then the final
@@ -166,10 +179,8 @@ class StepLoop:
         stop = False
         if self.flag is not None:  # issued at the last boundary, reduced while this step ran
             stop, self.flag = self.flag.read(ctx, overlapped=True), None
-        if ctx.pending_save is not None:  # an async save overlapped this step: commit it now
-            from lifecycle.phases.checkpoint import finish_pending
-
-            finish_pending(ctx)
+        if ctx.pending_save is not None:  # an async save overlapped this step: commit it now, in the checkpoint phase
+            self.commit_pending(ctx)
         if every is not None and step % every.n == 0:
             run_point(ctx, f"every_{every.n}_steps", every, ctx.deadline("train"))
         save_step = bool(ck.every_steps and step % ck.every_steps == 0)

@@ -220,9 +220,10 @@ class FaultDrill(Section):
     action: Literal["stall", "crash", "raise", "signal", "skip", "zero_tokens", "slow"]
     """stall: sleep forever; crash: os._exit; raise: an exception; signal: SIGTERM to itself; skip: skip a collective;
     zero_tokens: the routers send no token to these ranks' local experts, at every step from `step` on (or at `steps`);
-    slow: `seconds` of extra compute in every train step from `step` on (a straggler)."""
+    slow: `seconds` of extra compute in every train step from `step` on (a straggler); at checkpoint, `seconds`
+    once before the matching op (a slow file system: op save or commit)."""
     seconds: Seconds | None = None
-    """slow only: extra seconds per step."""
+    """slow only: extra seconds per step (train), or once (checkpoint)."""
     steps: list[PositiveInt] | None = None
     """zero_tokens only: the train steps it acts at, instead of every step from `step` on."""
     op: str | None = None
@@ -238,9 +239,10 @@ class FaultDrill(Section):
             raise ValueError("a zero_tokens drill is at: train, with either step (from that step on) or steps")
         if self.steps is not None and (self.action != "zero_tokens" or not self.steps):
             raise ValueError("steps applies to zero_tokens drills only, and needs at least one step")
-        if (self.action == "slow") != (self.seconds is not None) or (self.action == "slow" and self.at != "train"):
-            raise ValueError("a slow drill is at: train with seconds (extra time per step from step on); seconds "
-                             "applies to slow drills only")
+        if (self.action == "slow") != (self.seconds is not None) or (
+                self.action == "slow" and self.at not in ("train", "checkpoint")):
+            raise ValueError("a slow drill is at: train (extra time per step from step on) or at: checkpoint (once, "
+                             "before its op), with seconds; seconds applies to slow drills only")
         if self.group is not None:
             check_group_name(self.group)
         return self

@@ -154,12 +154,17 @@ def test_checkpoint_commits_in_two_phases_and_resumes(make_ctx: MakeCtx, tmp_pat
 
 def test_async_checkpoint_commits_at_the_next_boundary(make_ctx: MakeCtx, tmp_path: Path) -> None:
     ctx = _init(make_ctx({"train": {"steps": 3}, "checkpoint": {"every_steps": 2, "async": True}}))
-    TrainPhase(checkpoint.save).run(ctx)
-    # step 2's save was committed at step 3's boundary; the last one waits for teardown's finalize_async
-    assert [Path(p).name for p in ctx.saved] == ["iter_0000002"]
-    assert ctx.pending_save is not None and ctx.pending_save.step == 3
-    checkpoint.finish_pending(ctx)
-    assert [Path(p).name for p in ctx.saved] == ["iter_0000002", "iter_0000003"]
+    calls: list[str] = []
+
+    def save(c: RunContext, reason: str) -> None:
+        calls.append(f"{reason}@{c.step}")
+        checkpoint.save(c, reason)
+
+    TrainPhase(save).run(ctx)
+    # step 2's save was committed at step 3's boundary, the last one at the end of train: both through the
+    # checkpoint phase (its deadline), not inside a step or teardown
+    assert calls == ["periodic@2", "async_commit@3", "end@3", "async_commit@3"]
+    assert [Path(p).name for p in ctx.saved] == ["iter_0000002", "iter_0000003"] and ctx.pending_save is None
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "iter_0000003"
 
 

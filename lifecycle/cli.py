@@ -16,7 +16,7 @@ from typing import NoReturn
 
 from lifecycle.distributed.layout import MAX_WORLD_SIZE
 from lifecycle.errors import ExitCode, LifecycleError, PolicyError
-from lifecycle.logconfig import setup_logging
+from lifecycle.obs.logconfig import setup_logging
 
 log = logging.getLogger("lifecycle")
 
@@ -127,7 +127,7 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _explain(args: argparse.Namespace) -> int:
-    from lifecycle.explain import explain, render
+    from lifecycle.machine.explain import explain, render
     from lifecycle.policy.load import load
 
     loaded = load(args.overrides, config_dir=args.config_dir, config_name=args.config_name)
@@ -174,7 +174,7 @@ def _schema(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from lifecycle.runner import run
+    from lifecycle.launch.runner import run
 
     return run(args.overrides, nproc=args.nproc, config_dir=args.config_dir, config_name=args.config_name)
 
@@ -208,7 +208,7 @@ def _record_for_torchrun(exc: LifecycleError) -> None:
     """Under torchrun an error before the rank starts (bad policy, environment) reaches its summary too."""
     import os
 
-    from lifecycle.elastic import ENV, record_failure
+    from lifecycle.launch.elastic import ENV, record_failure
 
     if os.environ.get(ENV):
         rank = os.environ.get("RANK", "")

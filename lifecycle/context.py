@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup, Store
 
+    from lifecycle.checkpoint import PendingSave
     from lifecycle.distributed.faults import Drills
     from lifecycle.distributed.groups import ResolvedGroup
     from lifecycle.distributed.parallel import ParallelState
     from lifecycle.handlers.protocols import StepHandler
     from lifecycle.obs.events import EventLog
-    from lifecycle.phases.checkpoint import PendingSave
     from lifecycle.policy.schema import Policy
     from lifecycle.watchdog.adaptive import AdaptiveDeadline, Derivation
     from lifecycle.watchdog.core import Watchdog

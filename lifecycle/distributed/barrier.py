@@ -47,7 +47,7 @@ def get_store() -> Store:
     It is a ``PrefixStore("default_pg", ...)`` over the rendezvous TCPStore client. Who hosts the TCPStore
     server decides how long it lives:
 
-    - under torchrun / torch elastic and ``lifecycle.launch`` (``TORCHELASTIC_USE_AGENT_STORE=True``), the
+    - under torchrun / torch elastic and ``lifecycle run`` (``TORCHELASTIC_USE_AGENT_STORE=True``), the
       agent (launcher) process hosts it: the store outlives every rank, rank 0 included, so surviving ranks
       can still coordinate (and name the dead) after any rank dies;
     - under ``mp.spawn`` or a plain env:// start, rank 0 hosts it and it dies with rank 0; store calls
@@ -86,7 +86,7 @@ def store_barrier(store: Store, key: str, rank: int, ranks: list[int], timeout_s
         raise PhaseError(
             f"barrier {key!r}: the store is unreachable ({e.__class__.__name__}). If rank 0 hosted it "
             "(mp.spawn, env:// without an agent), it died with rank 0: launch with torchrun or "
-            "lifecycle.launch so that the launcher hosts it", phase=phase, rank=rank, group=group) from e
+            "`lifecycle run` so that the launcher hosts it", phase=phase, rank=rank, group=group) from e
     if verdict != _OK:
         raise _hang_error(key, rank, verdict, timeout_s, phase=phase, group=group)
 

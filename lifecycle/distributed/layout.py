@@ -83,7 +83,7 @@ class RankSet:
             yield self.base + sum(k * s for k, (s, _) in zip(ks, reversed(self.dims), strict=True))
 
     def fmt(self, limit: int = 16) -> str:
-        """The same text as :func:`lifecycle.ranks.fmt_ranks` of the listed ranks, in O(limit)."""
+        """The same text as :func:`lifecycle.distributed.ranks.fmt_ranks` of the listed ranks, in O(limit)."""
         if self.size > 4 and len(self.dims) == 1 and self.dims[0][0] > 1:
             return f"{self.base},{self.base + self.dims[0][0]},...,{self.last}"
         run = self.dims[0][1] if self.dims and self.dims[0][0] == 1 else 1

@@ -63,9 +63,9 @@ def attach(config_name: str | None = None, config_dir: str | Path | None = None,
     if _active is not None and not _active.closed:
         raise UsageError("lifecycle.attach() was called twice in this process: use the Job it returned (close() it "
                          "before attaching again)")
+    from lifecycle.launch.runner import prepare_rank_dir
+    from lifecycle.launch.worker import build_context
     from lifecycle.policy.load import load
-    from lifecycle.runner import prepare_rank_dir
-    from lifecycle.worker import build_context
 
     rank, world, local_rank = _ranks()
     every = [*overrides, *([f"run.dir={run_dir}"] if run_dir is not None else [])]
@@ -82,7 +82,7 @@ def _ranks() -> tuple[int, int, int]:
     """(rank, world, local rank): from the live default group, else from the launcher's environment."""
     import torch.distributed as dist
 
-    from lifecycle.preflight import check_rendezvous_env, rank_env
+    from lifecycle.launch.preflight import check_rendezvous_env, rank_env
 
     local = os.environ.get("LOCAL_RANK", "0")
     if dist.is_initialized():
@@ -100,8 +100,8 @@ def _ranks() -> tuple[int, int, int]:
 def _adopted_parallel(policy: Policy, world: int) -> ParallelState:
     """The model-parallel backend: megatron's live groups when the trainer made them (checked against the
     policy, the same on every rank: no collective, no hang), else what the policy's train kind asks for."""
+    from lifecycle.launch.worker import parallel_for
     from lifecycle.policy.checks import world_issues
-    from lifecycle.worker import parallel_for
 
     issues = world_issues(policy, world)
     if issues:
@@ -240,7 +240,7 @@ class Job:
         """Wrap the trainer's own save of step ``n``: bounded by the checkpoint deadline; completion agreed over
         the store (late ranks named); with ``path`` (the ``iter_NNNNNNN`` folder the trainer wrote) rank 0 then
         commits it: manifest, fsync, trackers. Every rank enters it at the same step."""
-        from lifecycle.phases.checkpoint import TrainerSave
+        from lifecycle.checkpoint import TrainerSave
 
         self._open("checkpoint")
         save = TrainerSave(self.ctx, self.machine, n, Path(path) if path is not None else None)
@@ -286,7 +286,7 @@ class Job:
 
     # ---- internals ---------------------------------------------------------------------------------------
     def _begin(self) -> None:
-        from lifecycle.worker import install_signals, start_watchdog
+        from lifecycle.launch.worker import install_signals, start_watchdog
 
         if threading.current_thread() is threading.main_thread():
             install_signals(self.ctx, self.machine)
@@ -320,7 +320,7 @@ class Job:
 
                 record_collectives(ctx)
         if self._checkpoints and ctx.policy.checkpoint.resume != "never":
-            from lifecycle.phases.checkpoint import resume
+            from lifecycle.checkpoint import resume
             from lifecycle.phases.train import after_resume
 
             resume(ctx)
@@ -386,7 +386,7 @@ class Job:
         if self.ctx.watchdog is not None:
             self.ctx.watchdog.stop()
         if self.ctx.rank == 0:
-            from lifecycle.runner import release_run_dir
+            from lifecycle.launch.runner import release_run_dir
 
             _write_summary(self.ctx)
             release_run_dir(self.ctx.run_dir)
@@ -420,9 +420,9 @@ def _zero_token_guard(ctx: RunContext, loop: StepLoop, chunks: list[Module]) -> 
 
 def _write_summary(ctx: RunContext) -> None:
     """Rank 0, after its own exit event: wait (bounded) for every rank's, then summary.json and the timeline."""
+    from lifecycle.launch.runner import _timeline
     from lifecycle.obs import summary
     from lifecycle.obs.events import read_events
-    from lifecycle.runner import _timeline
 
     ends = time.monotonic() + SUMMARY_WAIT_S
     while time.monotonic() < ends:

@@ -69,7 +69,7 @@ class Orchestrator:
 
     def checkpoint(self, ctx: RunContext, reason: str) -> None:
         """train -> checkpoint -> train (called by the train phase at a step boundary)."""
-        from lifecycle.phases.checkpoint import save
+        from lifecycle.checkpoint import save
 
         self._enter("checkpoint")
         save(ctx, reason)
@@ -159,7 +159,7 @@ class Orchestrator:
 
     def _record(self, exc: BaseException, code: int) -> None:
         """The failure for torchrun's summary (``TORCHELASTIC_ERROR_FILE``, as ``@record`` writes it)."""
-        from lifecycle.elastic import record_failure
+        from lifecycle.launch.elastic import record_failure
 
         ranks = getattr(exc, "missing", None) or getattr(exc, "ranks", None)
         reported = self.ctx.watchdog.reported if self.ctx.watchdog is not None else None

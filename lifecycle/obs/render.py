@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lifecycle.ranks import fmt_ranks
+from lifecycle.distributed.ranks import fmt_ranks
 
 
 def _phases(s: dict[str, Any]) -> list[str]:

@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from lifecycle import safeio
+from lifecycle.launch.rundir import HANG_REPORT, SUMMARY, earlier_attempts
 from lifecycle.machine.graph import PHASES
 from lifecycle.obs.events import read_events
 from lifecycle.obs.spans import Span, phase_of, rank_spans, valid_events
-from lifecycle.rundir import HANG_REPORT, SUMMARY, earlier_attempts
 
 HANG_KEYS = ("cause", "detail", "origin", "culprits", "dead", "group", "report")
 

@@ -128,8 +128,8 @@ def _agree_attempt(ctx: RunContext, attempts: list[int]) -> None:
     """Every rank continues as the newest attempt any rank counted (under torchrun/srun each rank counts from its
     own events file, and a replaced node's or a wiped local run directory counts from 1). Ranks that counted
     another number say so, record the agreed one, and rank 0 records it in the run directory, which fences off
-    ranks of older attempts (:func:`lifecycle.rundir.fence`)."""
-    from lifecycle import rundir
+    ranks of older attempts (:func:`lifecycle.launch.rundir.fence`)."""
+    from lifecycle.launch import rundir
 
     agreed = max(attempts)
     if agreed == ctx.attempt and len(set(attempts)) == 1:

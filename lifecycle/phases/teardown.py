@@ -97,7 +97,7 @@ class TeardownPhase:
         deadline: HardDeadline
 
         def note(step: str) -> None:
-            from lifecycle.elastic import record_failure
+            from lifecycle.launch.elastic import record_failure
 
             ctx.events.instant("teardown_deadline", step_name=step, exit_code=deadline.code)
             ctx.events.close()
@@ -145,7 +145,7 @@ class TeardownPhase:
 
     def _finalize_async(self, ctx: RunContext) -> None:
         if ctx.pending_save is not None:
-            from lifecycle.phases.checkpoint import finish_pending
+            from lifecycle.checkpoint import finish_pending
 
             finish_pending(ctx)
         self._release_step_handler(ctx)

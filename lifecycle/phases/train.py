@@ -147,7 +147,7 @@ class StepLoop:
         the (maybe learned, seconds-short) step deadline."""
         if ctx.pending_save is None:
             return
-        from lifecycle.phases.checkpoint import ASYNC_COMMIT, finish_pending
+        from lifecycle.checkpoint import ASYNC_COMMIT, finish_pending
 
         if self.checkpoint is not None:
             self.checkpoint(ctx, ASYNC_COMMIT)
@@ -245,7 +245,7 @@ class TrainPhase:
     def _resume(self, ctx: RunContext) -> None:
         if ctx.policy.checkpoint.resume == "never":
             return
-        from lifecycle.phases.checkpoint import resume
+        from lifecycle.checkpoint import resume
 
         resume(ctx)
         after_resume(ctx)

@@ -26,6 +26,7 @@ from pydantic import ValidationError
 
 from lifecycle import safeio
 from lifecycle.errors import PolicyError, PolicyIssue
+from lifecycle.launch.rundir import RESOLVED, SHA256
 from lifecycle.policy import yamlguard
 from lifecycle.policy.errors import clip, from_hydra, from_omegaconf, from_validation
 from lifecycle.policy.interpolation import check_interpolations
@@ -33,7 +34,6 @@ from lifecycle.policy.overrides import check_overrides
 from lifecycle.policy.packs import Pack, installed_packs, unusable_pack_for
 from lifecycle.policy.roots import ConfigRoot, config_roots
 from lifecycle.policy.schema import Policy, is_schema_path
-from lifecycle.rundir import RESOLVED, SHA256
 
 log = logging.getLogger(__name__)
 

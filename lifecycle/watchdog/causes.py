@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 from lifecycle.errors import HangError, LifecycleError, PolicyError, UsageError
 from lifecycle.jsontypes import Json, JsonDict
-from lifecycle.rundir import read_marker
+from lifecycle.launch.rundir import read_marker
 from lifecycle.watchdog import diagnosis
 from lifecycle.watchdog.seqcheck import PROBE_MAX_GROUP, SequenceMismatch
 from lifecycle.watchdog.sidechannel import SideChannel

@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from lifecycle.distributed.ranks import fmt_ranks
 from lifecycle.jsontypes import JsonDict
-from lifecycle.ranks import fmt_ranks
 
 if TYPE_CHECKING:
     from lifecycle.watchdog.tracker import Op

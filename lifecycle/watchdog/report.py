@@ -17,9 +17,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lifecycle import rundir, safeio
+from lifecycle import safeio
 from lifecycle.jsontypes import JsonDict
-from lifecycle.rundir import HANG_REPORT, local_report_name, newer_attempt
+from lifecycle.launch import rundir
+from lifecycle.launch.rundir import HANG_REPORT, local_report_name, newer_attempt
 from lifecycle.watchdog import diagnosis
 
 if TYPE_CHECKING:

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from lifecycle.explain import explain
+from lifecycle.machine.explain import explain
 from lifecycle.policy.load import load
 from tests.distributed.test_layout_vs_megatron import _check
 from tests.helpers import run_cli

@@ -227,7 +227,7 @@ def test_any_sequence_of_runs_kills_and_reruns_keeps_committed_work_and_lists_ev
             # attempt resumed from, which pruning never takes), and what is there is complete.
             kept = sorted(p.name for p in ckpt.iterdir() if re.fullmatch(r"iter_\d{7}", p.name))
             assert kept[-1] == f"iter_{tracked:07d}" and len(kept) <= 3, kept
-            from lifecycle import ckptdir
+            from lifecycle.checkpoint import ckptdir
 
             assert all(ckptdir.problem(ckpt / k) is None for k in kept), kept
         assert codes[-1] == 0 and newest == 8 * (len(plan) + 1)

@@ -12,7 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lifecycle import ckptdir, rundir, safeio
+from lifecycle import safeio
+from lifecycle.checkpoint import ckptdir
+from lifecycle.launch import rundir
 from lifecycle.obs.events import EventLog, read_events
 
 pytestmark = pytest.mark.timeout(30)

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from lifecycle import rundir
 from lifecycle.errors import UsageError
+from lifecycle.launch import rundir
+from lifecycle.launch.worker import rank_env, run_rank
 from lifecycle.obs.events import read_events
 from lifecycle.policy.load import validate, write_resolved
-from lifecycle.worker import rank_env, run_rank
 from tests._dist import free_port
 
 pytestmark = pytest.mark.timeout(60)
@@ -81,7 +81,7 @@ def test_the_watchdog_reports_a_slow_step_past_its_deadline(one_rank: None, tmp_
 
 
 def test_the_worker_entry_point_refuses_a_missing_run_directory(tmp_path: Path) -> None:
-    from lifecycle.worker import main
+    from lifecycle.launch.worker import main
 
     os.environ.update(RANK="0", WORLD_SIZE="1")
     assert main([str(tmp_path / "nowhere")]) == 2

@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from lifecycle.launch import launch_local
+from lifecycle.launch.local import launch_local
 
 run_dir, nproc, grace = Path(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
 argv = sys.argv[sys.argv.index("--") + 1:]

@@ -12,8 +12,8 @@ import pytest
 
 from lifecycle.distributed.layout import MAX_WORLD_SIZE, Layout, RankSet, build_layout
 from lifecycle.distributed.names import GROUP_NAMES
+from lifecycle.distributed.ranks import fmt_ranks
 from lifecycle.errors import UsageError
-from lifecycle.ranks import fmt_ranks
 
 ROOT = Path(__file__).resolve().parents[3]
 

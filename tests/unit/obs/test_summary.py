@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from lifecycle.launch import LaunchResult
+from lifecycle.distributed.ranks import fmt_ranks as rank_ranges
+from lifecycle.launch.local import LaunchResult
 from lifecycle.obs import summary
-from lifecycle.ranks import fmt_ranks as rank_ranges
 from tests.unit.obs.test_timeline import _ev, _write
 
 

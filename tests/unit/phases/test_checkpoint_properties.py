@@ -30,12 +30,12 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from lifecycle import ckptdir
+from lifecycle import checkpoint
+from lifecycle.checkpoint import ckptdir
 from lifecycle.context import RunContext
 from lifecycle.distributed.faults import Drills
 from lifecycle.errors import CheckpointError
 from lifecycle.obs.events import EventLog
-from lifecycle.phases import checkpoint
 from lifecycle.policy.load import validate
 from tests.unit.onerank import RecordingParallel
 

@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from lifecycle import rundir
+from lifecycle import checkpoint
 from lifecycle.context import RunContext
 from lifecycle.errors import CheckpointError, PhaseError, PolicyError
+from lifecycle.launch import rundir
 from lifecycle.obs.events import read_events
-from lifecycle.phases import checkpoint
 from lifecycle.phases.init import InitPhase
 from lifecycle.phases.teardown import HardDeadline, TeardownPhase
 from lifecycle.phases.train import TrainPhase, agree_stop

@@ -1,4 +1,4 @@
-"""One rank of a run: ``python -m lifecycle.worker RUN_DIR``.
+"""One rank of a run: ``python -m lifecycle.launch.worker RUN_DIR``.
 
 Reads the resolved policy from the run directory (workers never compose), takes rank and world size
 from the launcher's environment (RANK, WORLD_SIZE, LOCAL_RANK: torchrun, srun or ``lifecycle run``),
@@ -15,10 +15,10 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from lifecycle import rundir
 from lifecycle.errors import ExitCode, LifecycleError
-from lifecycle.preflight import rank_env
-from lifecycle.rundir import RESOLVED, has_marker
+from lifecycle.launch import rundir
+from lifecycle.launch.preflight import rank_env
+from lifecycle.launch.rundir import RESOLVED, has_marker
 
 if TYPE_CHECKING:
     from lifecycle.context import RunContext
@@ -141,17 +141,17 @@ def _drill_fired(events: EventLog, drill: FaultDrill) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from lifecycle.logconfig import setup_logging
+    from lifecycle.obs.logconfig import setup_logging
 
     args = sys.argv[1:] if argv is None else argv
     setup_logging()
     if len(args) != 1:
-        print("usage: python -m lifecycle.worker RUN_DIR", file=sys.stderr)
+        print("usage: python -m lifecycle.launch.worker RUN_DIR", file=sys.stderr)
         return ExitCode.USAGE
     try:
         return run_rank(Path(args[0]))
     except LifecycleError as exc:
-        from lifecycle.elastic import record_failure
+        from lifecycle.launch.elastic import record_failure
 
         print(f"[rank {os.environ.get('RANK', '?')}] error: {exc}", file=sys.stderr, flush=True)
         rank = os.environ.get("RANK", "")

@@ -10,17 +10,17 @@ range text (``large_groups``) rather than rank by rank.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
-from lifecycle.distributed.layout import MAX_WORLD_SIZE, RankSet
+from lifecycle.distributed.layout import MAX_WORLD_SIZE, Layout, RankSet
 from lifecycle.distributed.names import GROUP_NAMES
+from lifecycle.distributed.ranks import fmt_ranks
 from lifecycle.errors import PolicyError
+from lifecycle.jsontypes import JsonDict
 from lifecycle.machine.plan import Plan, WarmTarget, build_plan
 from lifecycle.policy.checks import world_issues
 from lifecycle.policy.load import Loaded, sha256
 from lifecycle.policy.provenance import Origin, provenance
 from lifecycle.policy.provenance import render as render_sources
-from lifecycle.ranks import fmt_ranks
 
 LISTED_RANKS = 65536
 """Groups up to this size are listed rank by rank in the layout (JSON ``groups``); larger ones as text."""
@@ -36,7 +36,7 @@ def listed(group: RankSet, limit: int = LISTED_RANKS) -> list[int] | None:
 class LayoutView:
     """Warm targets of one rank from the pure-Python layout (the same order the runtime uses)."""
 
-    def __init__(self, layout: Any, rank: int) -> None:
+    def __init__(self, layout: Layout, rank: int) -> None:
         self.layout = layout
         self.rank = rank
 
@@ -50,7 +50,7 @@ class LayoutView:
         return sorted(targets, key=lambda t: GROUP_NAMES.index(t.names[0]))
 
 
-def _layout(loaded: Loaded, world_size: int) -> Any:
+def _layout(loaded: Loaded, world_size: int) -> Layout:
     from lifecycle.distributed.layout import build_layout
 
     issues = world_issues(loaded.policy, world_size)
@@ -61,7 +61,7 @@ def _layout(loaded: Loaded, world_size: int) -> Any:
                         dist_opt_instances=par.dist_opt_instances, order=par.order)
 
 
-def group_summary(layout: Any, rank: int) -> dict[str, Any]:
+def group_summary(layout: Layout, rank: int) -> JsonDict:
     """The rank's groups (listed, or as range text when large), absent kinds and counts: O(1) in the world."""
     groups: dict[str, RankSet] = {}
     for name in GROUP_NAMES:
@@ -91,10 +91,10 @@ def check_ranks(world_size: int | None, rank: int) -> None:
         raise PolicyError.single("--rank", f"must be in [0, {world_size}): ranks count from 0", rank)
 
 
-def explain(loaded: Loaded, world_size: int | None, rank: int) -> dict[str, Any]:
+def explain(loaded: Loaded, world_size: int | None, rank: int) -> JsonDict:
     """Everything `explain` prints, as data (the --json output)."""
     check_ranks(world_size, rank)
-    out: dict[str, Any] = {"source": loaded.source, "sha256": sha256(loaded.policy),
+    out: JsonDict = {"source": loaded.source, "sha256": sha256(loaded.policy),
                            "description": loaded.policy.description}
     view = None
     if world_size is not None:
@@ -107,7 +107,7 @@ def explain(loaded: Loaded, world_size: int | None, rank: int) -> dict[str, Any]
     return out
 
 
-def render(info: dict[str, Any]) -> str:
+def render(info: JsonDict) -> str:
     """Human text of :func:`explain`'s data."""
     lines = [f"policy  {info['source']}", f"sha256  {info['sha256'][:16]}"]
     if info.get("description"):

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING
 from lifecycle.errors import PolicyError, PolicyIssue, UsageError
 
 if TYPE_CHECKING:
+    from lifecycle.launch.rundir import RunLock
     from lifecycle.policy.schema import Policy
-    from lifecycle.rundir import RunLock
 
 
 def _new_run_id() -> str:
@@ -52,7 +52,7 @@ def run(overrides: Sequence[str], *, nproc: int = 4, config_dir: str | None = No
 def preflight(policy: Policy, world_size: int) -> None:
     """What the world size and the checkpoint folder decide before any rank starts (PolicyError/UsageError:
     exit 2); the run's folders are checked by :func:`own_run_dir`."""
-    from lifecycle import preflight as checks
+    from lifecycle.launch import preflight as checks
     from lifecycle.policy.checks import world_issues
 
     issues = world_issues(policy, world_size)
@@ -88,8 +88,8 @@ def own_run_dir(policy: Policy, *, peers_starting: bool = False) -> Path:
     """Check where the run may write (before anything there is read or moved), then take the run directory's
     lock: one launcher per run directory (a second one exits 2 naming the holder). The resolved run directory.
     ``peers_starting``: rank 0 of a job other ranks of which start now (torchrun, srun, attach)."""
-    from lifecycle import preflight as checks
-    from lifecycle import rundir
+    from lifecycle.launch import preflight as checks
+    from lifecycle.launch import rundir
 
     issues = checks.place_problem(policy.run.dir, policy.checkpoint.dir)
     if issues:
@@ -122,9 +122,10 @@ def launch(policy: Policy, nproc: int, *, overrides: Sequence[str] = ()) -> int:
 
 
 def _launch(policy: Policy, nproc: int, run_dir: Path, overrides: Sequence[str]) -> int:
-    from lifecycle import preflight as checks
-    from lifecycle import rundir, safeio
-    from lifecycle.launch import launch_local
+    from lifecycle import safeio
+    from lifecycle.launch import preflight as checks
+    from lifecycle.launch import rundir
+    from lifecycle.launch.local import launch_local
     from lifecycle.obs import summary
     from lifecycle.policy.load import write_resolved
 
@@ -138,7 +139,7 @@ def _launch(policy: Policy, nproc: int, run_dir: Path, overrides: Sequence[str])
     safeio.write_text(run_dir / rundir.OVERRIDES, "".join(f"{o}\n" for o in overrides))
     again = f"attempt {attempt}, " if attempt > 1 else ""
     print(f"lifecycle: {again}{nproc} ranks, run directory {run_dir}", flush=True)
-    result = launch_local([sys.executable, "-m", "lifecycle.worker", str(run_dir)], nproc, run_dir,
+    result = launch_local([sys.executable, "-m", "lifecycle.launch.worker", str(run_dir)], nproc, run_dir,
                           env={rundir.ENV_ATTEMPT: str(attempt)})
     if result.first_failure is not None and result.per_rank.get(result.first_failure, 0) < 0:
         # A rank killed by a signal (kill -9, the OOM killer) died: the policy's code for that, not 128+N (the
@@ -181,9 +182,9 @@ def _timeline(run_dir: Path) -> None:
 
 
 def _run_as_rank(overrides: Sequence[str], config_dir: str | None, config_name: str) -> int:
+    from lifecycle.launch.preflight import check_rendezvous_env, rank_env
+    from lifecycle.launch.worker import run_rank
     from lifecycle.policy.load import load
-    from lifecycle.preflight import check_rendezvous_env, rank_env
-    from lifecycle.worker import run_rank
 
     rank, world, _ = rank_env()
     check_rendezvous_env()
@@ -201,11 +202,12 @@ def _run_as_rank(overrides: Sequence[str], config_dir: str | None, config_name: 
 def prepare_rank_dir(policy: Policy, rank: int, world: int, overrides: Sequence[str], *, hint: str) -> Path:
     """One rank of a job started by another launcher (torchrun, srun, a trainer's own): rank 0 checks what can be
     checked before init and writes the resolved policy; every rank checks the folders. The run directory."""
-    from lifecycle import rundir, safeio
+    from lifecycle import safeio
+    from lifecycle.launch import rundir
     from lifecycle.policy.load import write_resolved
 
     if rank == 0:
-        from lifecycle import preflight as checks
+        from lifecycle.launch import preflight as checks
 
         run_dir = own_run_dir(policy, peers_starting=world > 1)
         if rundir.holds_run(run_dir) and policy.checkpoint.resume == "never":
@@ -216,7 +218,7 @@ def prepare_rank_dir(policy: Policy, rank: int, world: int, overrides: Sequence[
         write_resolved(policy, run_dir)
         safeio.write_text(run_dir / rundir.OVERRIDES, "".join(f"{o}\n" for o in overrides))
     else:
-        from lifecycle import preflight as checks
+        from lifecycle.launch import preflight as checks
 
         checks.check_dirs(policy.run.dir, policy.checkpoint.dir)
         run_dir = Path(policy.run.dir).resolve()

@@ -34,7 +34,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from lifecycle import rundir
+from lifecycle.launch import rundir
 
 logger = logging.getLogger(__name__)
 

@@ -194,7 +194,7 @@ def check_resume(checkpoint_dir: str, resume: str, on_corrupt: str) -> None:
     """What the checkpoint folder alone decides, before any rank starts (exit 2): ``resume: required`` with no
     usable checkpoint, and, with ``on_corrupt: error``, a tracker that cannot be used or that names a folder
     that is not complete. The ranks check again at resume (the files may change in between)."""
-    from lifecycle import ckptdir
+    from lifecycle.checkpoint import ckptdir
 
     if resume == "never":
         return

@@ -25,6 +25,8 @@ from lifecycle.errors import (
     TransitionError,
     UsageError,
 )
+from lifecycle.policy.versions import LIBRARY_VERSION
+from lifecycle.policy.versions import SCHEMA_VERSION as SCHEMA_VERSION
 
 if TYPE_CHECKING:
     from lifecycle.handlers.registry import HandlerSpec
@@ -34,8 +36,7 @@ if TYPE_CHECKING:
     from lifecycle.policy.load import load as load_policy
     from lifecycle.policy.schema import Policy
 
-__version__ = "0.1.0"
-SCHEMA_VERSION = 1
+__version__ = LIBRARY_VERSION
 
 __all__ = ["CheckpointError", "Decision", "HandlerSpec", "HangError", "Job", "LifecycleError", "PhaseError",
            "Policy", "PolicyError", "TransitionError", "UsageError", "attach", "install_zero_token_guard",

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 from lifecycle.distributed.layout import MAX_WORLD_SIZE
-from lifecycle.errors import ExitCode, LifecycleError, PolicyError
+from lifecycle.errors import ExitCode, LifecycleError, PolicyError, exit_code
 from lifecycle.obs.logconfig import setup_logging
 
 log = logging.getLogger("lifecycle")
@@ -213,7 +213,7 @@ def _record_for_torchrun(exc: LifecycleError) -> None:
     if os.environ.get(ENV):
         rank = os.environ.get("RANK", "")
         record_failure(rank=int(rank) if rank.isdigit() else -1, error=type(exc).__name__, message=str(exc),
-                       exit_code=exc.exit_code, phase=exc.phase or "before init", group=exc.group)
+                       exit_code=exit_code(exc), phase=exc.phase or "before init", group=exc.group)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -224,7 +224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except LifecycleError as exc:
         print(f"error: {render_error(exc)}", file=sys.stderr)
         _record_for_torchrun(exc)
-        return exc.exit_code
+        return exit_code(exc)
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # `lifecycle schema | head`: the reader left, not an error

@@ -9,26 +9,50 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
+
+from lifecycle.policy.base import deadline_phase
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup, Store
 
-    from lifecycle.checkpoint import PendingSave
+    from lifecycle.checkpoint.pending import PendingSave
     from lifecycle.distributed.faults import Drills
     from lifecycle.distributed.groups import ResolvedGroup
     from lifecycle.distributed.parallel import ParallelState
     from lifecycle.handlers.protocols import StepHandler
+    from lifecycle.jsontypes import JsonDict
     from lifecycle.obs.events import EventLog
     from lifecycle.policy.schema import Policy
     from lifecycle.watchdog.adaptive import AdaptiveDeadline, Derivation
-    from lifecycle.watchdog.core import Watchdog
+    from lifecycle.watchdog.diagnosis import Diagnosis
     from lifecycle.watchdog.straggler import ComputeWindow
+    from lifecycle.watchdog.tracker import ProgressTracker
 
 PhaseHook = Callable[["RunContext", "str | None", str, bool], None]
 """``hook(ctx, old_phase, new_phase, failure)``, run at every transition (all ranks, same order)."""
+
+
+class WatchdogHandle(Protocol):
+    """What the engine asks of the watchdog thread (:class:`lifecycle.watchdog.core.Watchdog`)."""
+
+    reported: Diagnosis | None
+    """This rank's report, once it made one."""
+    progress: ProgressTracker
+    """What this rank is doing (the op it waits in, the ops it began per group)."""
+
+    def peer_records(self, ranks: list[int]) -> dict[int, JsonDict | None]:
+        """The heartbeat records of ``ranks`` (None for one without a record)."""
+        ...
+
+    def on_failure(self, exc: BaseException) -> BaseException:
+        """A phase failed with ``exc``: tell the peers, report who is stuck; the error the run ends with."""
+        ...
+
+    def stop(self) -> None: ...
 
 
 @dataclass
@@ -75,7 +99,7 @@ class RunContext:
     """Seconds spent warming each group label (for the exit event)."""
     phase_hooks: list[PhaseHook] = field(default_factory=list)
     """Run at every transition (all ranks, same order)."""
-    watchdog: Watchdog | None = None
+    watchdog: WatchdogHandle | None = None
     ckpt_group: ProcessGroup | None = None
     """The dedicated gloo group of ``checkpoint.coordination: gloo`` (created at the first save)."""
     keys_taken: int = 0
@@ -86,6 +110,17 @@ class RunContext:
     compute: ComputeWindow | None = None
     """This rank's recent step compute times (the straggler check reads their median from its record)."""
 
+    def span(self, name: str, **fields: object) -> AbstractContextManager[JsonDict]:
+        """A begin/end span on this rank's events (:class:`~lifecycle.handlers.protocols.StepContext`)."""
+        return self.events.span(name, **fields)
+
+    def instant(self, name: str, **fields: object) -> None:
+        self.events.instant(name, **fields)
+
+    def count_op(self, group: str) -> None:
+        """One collective issued on ``group`` (the sequence check compares the counts across ranks)."""
+        self.op_counts[group] += 1
+
     def next_key(self, name: str) -> str:
         """A store key unique per call and identical on every rank (calls happen in plan order)."""
         self.keys_taken += 1
@@ -93,12 +128,12 @@ class RunContext:
 
     def deadline(self, phase: str) -> float:
         """The deadline of ``phase`` now: the agreed adaptive value for an ``auto`` phase, else the policy's."""
-        model = self.adaptive.get("train" if phase == "step" else phase)
+        model = self.adaptive.get(deadline_phase(phase))
         return model.effective() if model is not None else self.policy.deadline(phase)
 
     def derivation(self, phase: str) -> Derivation | None:
         """How an ``auto`` deadline came about (None for a static one)."""
-        model = self.adaptive.get("train" if phase == "step" else phase)
+        model = self.adaptive.get(deadline_phase(phase))
         return model.derivation() if model is not None else None
 
     def observe(self, phase: str, seconds: float) -> None:

@@ -2,16 +2,17 @@
 
 Every error carries data, not only text: the phase it happened in, the rank, the group and the
 deadline that ran out, plus the process exit code it maps to. The CLI prints ``str(err)`` (never a
-traceback) for user errors and exits with ``err.exit_code``.
+traceback) for user errors; :func:`exit_code` is the one place an error becomes the process exit code.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 
 class ExitCode:
-    """Process exit codes, documented in the README and used everywhere."""
+    """Process exit codes, documented in docs/running.md and used everywhere."""
 
     OK = 0  # success, also a graceful stop on SIGTERM (preemption)
     USAGE = 2  # bad policy, bad override, bad command line
@@ -21,9 +22,7 @@ class ExitCode:
 
 
 class LifecycleError(Exception):
-    """Base class. Attributes say where it happened; ``exit_code`` says how the process ends."""
-
-    exit_code: int = ExitCode.RANK_FAILED
+    """Base class. Attributes say where it happened; ``exit_code`` says how the process ends (:func:`exit_code`)."""
 
     def __init__(
         self,
@@ -40,6 +39,11 @@ class LifecycleError(Exception):
         self.rank = rank
         self.group = group
         self.deadline_s = deadline_s
+
+    @property
+    def exit_code(self) -> int:
+        """The exit code with the default codes (a run uses its policy's: :func:`exit_code`)."""
+        return exit_code(self)
 
 
 @dataclass(frozen=True)
@@ -60,7 +64,6 @@ class PolicyIssue:
 class PolicyError(LifecycleError):
     """The policy (file, overrides, pack) is invalid. ``issues`` lists every problem found."""
 
-    exit_code = ExitCode.USAGE
 
     def __init__(self, issues: list[PolicyIssue], *, source: str | None = None) -> None:
         self.issues = list(issues)
@@ -77,7 +80,6 @@ class PolicyError(LifecycleError):
 class UsageError(LifecycleError):
     """The command line or the environment is wrong (missing file, bad world size, ...)."""
 
-    exit_code = ExitCode.USAGE
 
 
 class CheckpointError(UsageError):
@@ -97,13 +99,78 @@ class PhaseError(LifecycleError):
     """A phase handler failed on this rank."""
 
 
+class DrillError(PhaseError):
+    """Raised by a ``raise`` fault drill."""
+
+
+class SequenceMismatch(PhaseError):
+    """Ranks of one group issued different numbers of collectives on it (or one is blocked in an extra one): the
+    job would hang at the diverging collective, so it exits with the hang code.
+
+    ``ranks`` lists the global ranks whose counts disagree.
+    """
+
+
+    def __init__(self, message: str, *, ranks: list[int] | None = None, **where: object) -> None:
+        super().__init__(message, **where)  # type: ignore[arg-type]
+        self.ranks = sorted(set(ranks or []))
+
+
+class RunDirError(UsageError):
+    """A file of a run or checkpoint directory cannot be used (not a regular file, too large, unreadable);
+    ``path`` names it. Exit 2: the folder's content is wrong, not the job."""
+
+    def __init__(self, message: str, *, path: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+class Shutdown(BaseException):  # noqa: N818 - a request, not an error: it must pass ``except Exception``
+    """The launcher is taking the job down (another rank failed, or a preemption deadline): leave through the
+    failure path. A BaseException, so that no ``except Exception`` of a trainer swallows it."""
+
+
+class StoreUnavailable(RuntimeError):
+    """The watchdog's side channel: the store did not answer in time, is not connected (yet), or the connection
+    failed. Internal to the watchdog thread, which carries on with what it knows locally."""
+
+
+class PolicyExitCodes(Protocol):
+    """The policy's ``teardown.exit_codes`` (hang and rank_failed can be changed per policy)."""
+
+    @property
+    def hang(self) -> int: ...
+
+    @property
+    def rank_failed(self) -> int: ...
+
+
+def exit_code(exc: BaseException, codes: PolicyExitCodes | None = None) -> int:
+    """The one place a process's exit code comes from when it ends with ``exc``: 2 for the user's input (policy,
+    command line, environment, checkpoint or run-directory files), the policy's hang code (``codes``, else 3) for a
+    hang or a diverged collective sequence, its rank_failed code (else 4) for anything else."""
+    if isinstance(exc, PolicyError | UsageError):
+        return ExitCode.USAGE
+    if isinstance(exc, HangError | SequenceMismatch):
+        return codes.hang if codes is not None else ExitCode.HANG
+    return codes.rank_failed if codes is not None else ExitCode.RANK_FAILED
+
+
+def culprits(exc: BaseException) -> list[int]:
+    """The global ranks an error names as the cause (the ranks that did not arrive, or whose counts disagree)."""
+    if isinstance(exc, HangError):
+        return exc.missing
+    if isinstance(exc, SequenceMismatch):
+        return exc.ranks
+    return []
+
+
 class HangError(PhaseError):
     """A deadline passed: a collective, barrier or wait did not complete in time.
 
     ``missing`` lists the global ranks that did not arrive, when known.
     """
 
-    exit_code = ExitCode.HANG
 
     def __init__(self, message: str, *, missing: list[int] | None = None, **where: object) -> None:
         super().__init__(message, **where)  # type: ignore[arg-type]

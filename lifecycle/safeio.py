@@ -19,20 +19,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from lifecycle.errors import UsageError
+from lifecycle.errors import RunDirError
 from lifecycle.jsontypes import Json
 
 SMALL = 1 << 20
 """Default limit for the small files lifecycle keeps (trackers, markers, summaries, manifests): 1 MiB."""
-
-
-class RunDirError(UsageError):
-    """A file of a run or checkpoint directory cannot be used (not a regular file, too large, unreadable);
-    ``path`` names it. Exit 2: the folder's content is wrong, not the job."""
-
-    def __init__(self, message: str, *, path: str | None = None) -> None:
-        super().__init__(message)
-        self.path = path
 
 
 def _kind(mode: int) -> str:

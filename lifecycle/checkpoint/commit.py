@@ -14,11 +14,11 @@ import logging
 import os
 import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from lifecycle.checkpoint import ckptdir
+from lifecycle.checkpoint.pending import PendingSave
 from lifecycle.errors import CheckpointError, PhaseError
 from lifecycle.launch import rundir
 from lifecycle.phases.points import run_points
@@ -27,18 +27,9 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
     from lifecycle.context import RunContext
-    from lifecycle.handlers.protocols import SaveHandle, StepHandler
+    from lifecycle.handlers.protocols import StepHandler
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class PendingSave:
-    handle: SaveHandle
-    step: int
-    tmp: Path
-    final: Path
-    reason: str
 
 
 ASYNC_COMMIT = "async_commit"

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lifecycle.checkpoint import ckptdir
-from lifecycle.errors import CheckpointError, PhaseError
+from lifecycle.errors import CheckpointError, PhaseError, Shutdown
 
 if TYPE_CHECKING:
     from lifecycle.context import RunContext
@@ -29,7 +29,7 @@ def _handler(ctx: RunContext) -> StepHandler:
 
 
 def _is_interrupt(exc: BaseException) -> bool:
-    return isinstance(exc, KeyboardInterrupt | SystemExit) or type(exc).__name__ == "Shutdown"
+    return isinstance(exc, KeyboardInterrupt | SystemExit | Shutdown)
 
 
 def _try_load(ctx: RunContext, path: Path) -> str | None:

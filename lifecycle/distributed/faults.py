@@ -21,17 +21,13 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from lifecycle.errors import PhaseError
+from lifecycle.errors import DrillError
 
 if TYPE_CHECKING:
     from lifecycle.policy.schema import FaultDrill
 
 log = logging.getLogger(__name__)
 CRASH_EXIT_CODE = 17
-
-
-class DrillError(PhaseError):
-    """Raised by a ``raise`` drill."""
 
 
 class Drills:

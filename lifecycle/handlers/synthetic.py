@@ -19,8 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lifecycle.context import RunContext
 from lifecycle.errors import HangError, PhaseError
+from lifecycle.handlers.protocols import StepContext
 
 
 class LocalFilesSave:
@@ -99,7 +99,7 @@ class SyntheticStep:
         self.dp_rank = 0
         self.device = torch.device("cpu")
 
-    def setup(self, ctx: RunContext) -> None:
+    def setup(self, ctx: StepContext) -> None:
         """Local: builds the model on this rank's device (the current GPU on NCCL, else the CPU)."""
         from lifecycle.distributed.collectives import device_for
         from lifecycle.distributed.groups import group_ranks
@@ -113,12 +113,12 @@ class SyntheticStep:
         self.device = device_for(self.group)
         self.model = torch.nn.Sequential(torch.nn.Linear(h, h), torch.nn.Tanh(), torch.nn.Linear(h, 1)).to(self.device)
 
-    def _batch(self, ctx: RunContext, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _batch(self, ctx: StepContext, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(ctx.policy.run.seed * 100003 + step * 101 + self.dp_rank)
         x = torch.randn(self.o.batch, self.o.hidden, generator=g).to(self.device)
         return x, x[:, :1] * 0.5 - x[:, 1:2] * 0.25
 
-    def step(self, ctx: RunContext, step: int) -> dict[str, float]:
+    def step(self, ctx: StepContext, step: int) -> dict[str, float]:
         """Collective on the dp group (one all_reduce of the gradients and the loss, with the step deadline).
 
         Returns ``loss`` and ``wait_s`` (the time spent waiting in that all_reduce, which is not compute)."""
@@ -139,11 +139,11 @@ class SyntheticStep:
         wait_s = 0.0
         if self.group is not None and len(self.ranks) > 1:
             # its own slice in the timeline, and where the watchdog sees a rank wait inside the step
-            with ctx.events.span("grad_all_reduce", group="dp", size=len(self.ranks)):
+            with ctx.span("grad_all_reduce", group="dp", size=len(self.ranks)):
                 work = dist.all_reduce(flat, group=self.group, async_op=True)
                 wait_s = wait_works([work], "all_reduce(grads)", "dp", self.ranks, ctx.deadline("train"),
                                     time.monotonic())
-            ctx.op_counts["dp"] += 1
+            ctx.count_op("dp")
             flat /= len(self.ranks)
         offset = 0
         with torch.no_grad():
@@ -153,13 +153,13 @@ class SyntheticStep:
                 offset += n
         return {"loss": float(flat[-1]), "wait_s": wait_s}
 
-    def begin_save(self, ctx: RunContext, ckpt_dir: Path) -> LocalFilesSave:
+    def begin_save(self, ctx: StepContext, ckpt_dir: Path) -> LocalFilesSave:
         assert self.model is not None
         state = {"model": {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()},
                  "step": ctx.step}
         return LocalFilesSave(ckpt_dir, ctx.rank, ctx.world_size, state, ctx.policy.checkpoint.async_)
 
-    def load(self, ctx: RunContext, ckpt_dir: Path) -> int:
+    def load(self, ctx: StepContext, ckpt_dir: Path) -> int:
         assert self.model is not None
         if not (ckpt_dir / "metadata.json").is_file():
             raise PhaseError(f"{ckpt_dir} has no metadata.json (not a committed checkpoint)", phase="train",

@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from lifecycle.context import RunContext
 from lifecycle.errors import PhaseError
+from lifecycle.handlers.protocols import StepContext
 from lifecycle.handlers.synthetic import LocalFilesSave
 
 
@@ -21,10 +21,10 @@ class WatchedModules:
         self.chunks = chunks
         self.optimizer = optimizer
 
-    def setup(self, ctx: RunContext) -> None:
+    def setup(self, ctx: StepContext) -> None:
         """Nothing to build: the trainer built its model."""
 
-    def step(self, ctx: RunContext, step: int) -> dict[str, float]:
+    def step(self, ctx: StepContext, step: int) -> dict[str, float]:
         raise RuntimeError("a watched model is stepped by the trainer's own loop")
 
     def _state(self) -> dict[str, Any]:
@@ -33,14 +33,14 @@ class WatchedModules:
             state["optimizer"] = self.optimizer.state_dict()
         return state
 
-    def begin_save(self, ctx: RunContext, ckpt_dir: Path) -> LocalFilesSave:
+    def begin_save(self, ctx: StepContext, ckpt_dir: Path) -> LocalFilesSave:
         """This rank's files only (no collective)."""
         state = torch.utils._pytree.tree_map(  # a snapshot: training may go on while an async save writes
             lambda v: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v, self._state())
         state["step"] = ctx.step
         return LocalFilesSave(ckpt_dir, ctx.rank, ctx.world_size, state, ctx.policy.checkpoint.async_)
 
-    def load(self, ctx: RunContext, ckpt_dir: Path) -> int:
+    def load(self, ctx: StepContext, ckpt_dir: Path) -> int:
         if not (ckpt_dir / "metadata.json").is_file():
             raise PhaseError(f"{ckpt_dir} has no metadata.json (not a committed checkpoint)", phase="train",
                              rank=ctx.rank)

@@ -15,7 +15,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from lifecycle.errors import ExitCode, LifecycleError
+from lifecycle.errors import ExitCode, LifecycleError, exit_code
 from lifecycle.launch import rundir
 from lifecycle.launch.preflight import rank_env
 from lifecycle.launch.rundir import RESOLVED, has_marker
@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 def install_signals(ctx: RunContext, orchestrator: Orchestrator) -> None:
     """Preemption signals set a flag handled at the next step boundary; the launcher's shutdown SIGTERM
     (the run directory has a ``.shutdown`` marker) leaves through the failure path instead."""
-    from lifecycle.machine.orchestrator import Shutdown
+    from lifecycle.errors import Shutdown
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
@@ -156,8 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[rank {os.environ.get('RANK', '?')}] error: {exc}", file=sys.stderr, flush=True)
         rank = os.environ.get("RANK", "")
         record_failure(rank=int(rank) if rank.isdigit() else -1, error=type(exc).__name__, message=str(exc),
-                       exit_code=exc.exit_code, phase=exc.phase or "before init", group=exc.group)
-        return exc.exit_code
+                       exit_code=exit_code(exc), phase=exc.phase or "before init", group=exc.group)
+        return exit_code(exc)
 
 
 if __name__ == "__main__":

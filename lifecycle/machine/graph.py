@@ -13,12 +13,9 @@ from here) and read from it.
 
 from __future__ import annotations
 
-from typing import get_args
-
 from lifecycle.errors import TransitionError
-from lifecycle.policy.base import Phase
+from lifecycle.policy.base import PHASES
 
-PHASES: tuple[str, ...] = get_args(Phase)
 INITIAL = "init"
 TERMINAL = "teardown"
 MAIN_PATH: tuple[str, ...] = ("init", "warmup", "train", "teardown")

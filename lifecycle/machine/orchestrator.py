@@ -13,7 +13,7 @@ import logging
 import time
 
 from lifecycle.context import RunContext
-from lifecycle.errors import ExitCode, HangError, LifecycleError, PolicyError, UsageError
+from lifecycle.errors import ExitCode, LifecycleError, Shutdown, culprits, exit_code
 from lifecycle.machine.graph import MAIN_PATH, TERMINAL, check_transition
 from lifecycle.phases.base import PhaseHandler
 from lifecycle.phases.init import InitPhase
@@ -22,10 +22,6 @@ from lifecycle.phases.train import TrainPhase
 from lifecycle.phases.warmup import WarmupPhase
 
 log = logging.getLogger(__name__)
-
-
-class Shutdown(BaseException):
-    """The launcher is taking the job down (another rank failed): leave through the failure path."""
 
 
 class Orchestrator:
@@ -150,23 +146,18 @@ class Orchestrator:
         return code
 
     def exit_code(self, exc: BaseException) -> int:
-        codes = self.ctx.policy.teardown.exit_codes
-        if isinstance(exc, HangError) or getattr(exc, "is_divergence", False):
-            return codes.hang
-        if isinstance(exc, PolicyError | UsageError):
-            return ExitCode.USAGE
-        return codes.rank_failed
+        return exit_code(exc, self.ctx.policy.teardown.exit_codes)
 
     def _record(self, exc: BaseException, code: int) -> None:
         """The failure for torchrun's summary (``TORCHELASTIC_ERROR_FILE``, as ``@record`` writes it)."""
         from lifecycle.launch.elastic import record_failure
 
-        ranks = getattr(exc, "missing", None) or getattr(exc, "ranks", None)
+        ranks = culprits(exc)
         reported = self.ctx.watchdog.reported if self.ctx.watchdog is not None else None
         if not ranks and reported is not None:
             ranks = reported.culprits
         record_failure(rank=self.ctx.rank, error=type(exc).__name__, message=str(exc), exit_code=code,
-                       phase=self.current, group=getattr(exc, "group", None),
+                       phase=self.current, group=exc.group if isinstance(exc, LifecycleError) else None,
                        ranks=[int(r) for r in ranks or []],
                        detail=f"events, logs and reports: {self.ctx.run_dir}")
 

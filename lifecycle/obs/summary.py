@@ -14,9 +14,9 @@ from typing import Any
 
 from lifecycle import safeio
 from lifecycle.launch.rundir import HANG_REPORT, SUMMARY, earlier_attempts
-from lifecycle.machine.graph import PHASES
 from lifecycle.obs.events import read_events
 from lifecycle.obs.spans import Span, phase_of, rank_spans, valid_events
+from lifecycle.policy.base import PHASES
 
 HANG_KEYS = ("cause", "detail", "origin", "culprits", "dead", "group", "report")
 

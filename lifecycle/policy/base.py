@@ -8,6 +8,19 @@ from typing import Annotated, Literal, Union, get_args, get_origin
 from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationInfo, field_validator
 
 Phase = Literal["init", "warmup", "train", "checkpoint", "teardown"]
+PHASES: tuple[str, ...] = get_args(Phase)
+"""The phases in their main-path order."""
+
+
+def deadline_key(phase: str) -> str:
+    """The ``watchdog.deadlines`` key that bounds ``phase`` (``step`` bounds each step of the train phase): the one
+    place the YAML's ``step`` and the engine's ``train`` meet."""
+    return "step" if phase == "train" else phase
+
+
+def deadline_phase(key: str) -> str:
+    """The phase a ``watchdog.deadlines`` key (or a phase name) bounds: :func:`deadline_key` inverted."""
+    return "train" if key == "step" else key
 """The phase names, declared once (``lifecycle.machine.graph`` reads them from here: the policy layer
 imports nothing from the machine)."""
 

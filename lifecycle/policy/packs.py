@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
 
-from lifecycle import SCHEMA_VERSION, __version__
 from lifecycle.errors import PolicyError
+from lifecycle.policy.versions import LIBRARY_VERSION, SCHEMA_VERSION
 
 log = logging.getLogger(__name__)
 ENTRY_POINT_GROUP = "lifecycle.policy_packs"
@@ -105,7 +105,7 @@ def _load(ep: EntryPoint) -> Pack:
         error = f"package '{module}' is not a folder on disk (a zipped install?); reinstall it unzipped"
     if error is None and schema != SCHEMA_VERSION:
         error = (f"targets lifecycle policy schema version {schema}, but this "
-                 f"lifecycle ({__version__}) reads schema version {SCHEMA_VERSION}; install a release of "
+                 f"lifecycle ({LIBRARY_VERSION}) reads schema version {SCHEMA_VERSION}; install a release of "
                  f"{dist_name} that targets schema {SCHEMA_VERSION}, or a lifecycle that reads schema {schema}")
     pack = Pack(ep.name, module, dist_name, version, conf_dir, schema, summary, error)
     if error is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any, Literal
 
@@ -16,10 +17,9 @@ from pydantic import (
     model_validator,
 )
 
-from lifecycle import SCHEMA_VERSION
 from lifecycle.errors import PolicyError, PolicyIssue
 from lifecycle.handlers import registry
-from lifecycle.policy.base import Flag, Phase, Seconds, Section
+from lifecycle.policy.base import Flag, Phase, Seconds, Section, deadline_key
 from lifecycle.policy.sections import (
     BarriersConfig,
     DistributedConfig,
@@ -28,6 +28,7 @@ from lifecycle.policy.sections import (
     WarmupConfig,
     check_group_name,
 )
+from lifecycle.policy.versions import SCHEMA_VERSION
 
 TeardownStep = Literal[
     "barrier", "finalize_async", "destroy_model_parallel", "destroy_subgroups", "destroy_process_group"
@@ -249,7 +250,7 @@ class FaultDrill(Section):
 
 
 class Policy(Section):
-    """A lifecycle policy. Every key is documented in the README's policy table."""
+    """A lifecycle policy. Every key is documented in the policy table of docs/policy.md."""
 
     schema_version: int = SCHEMA_VERSION
     """Policy schema version this file targets."""
@@ -306,8 +307,6 @@ class Policy(Section):
 
     @model_validator(mode="after")
     def _cross(self) -> Policy:
-        from lifecycle.policy.checks import cross_field_issues
-
         # A PolicyError (not a ValueError) passes through pydantic untouched and keeps each key path.
         issues = cross_field_issues(self)
         if issues:
@@ -317,10 +316,10 @@ class Policy(Section):
     def deadline(self, phase: str) -> float:
         """The static watchdog deadline of ``phase`` in seconds (``auto`` reads as its ceiling; the run context
         applies the adaptive value)."""
-        return self.watchdog.deadlines.static("step" if phase == "train" else phase)
+        return self.watchdog.deadlines.static(deadline_key(phase))
 
     def is_auto(self, phase: str) -> bool:
-        return getattr(self.watchdog.deadlines, "step" if phase == "train" else phase) == "auto"
+        return getattr(self.watchdog.deadlines, deadline_key(phase)) == "auto"
 
 
 def default_run_id() -> str:
@@ -372,3 +371,88 @@ def _aliases(model: type[BaseModel]) -> dict[str, type[BaseModel] | None]:
         sub = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
         out[info.alias or name] = sub
     return out
+
+
+# ---- cross-field rules (the world size is not known here: see lifecycle.policy.checks.world_issues) -----------
+def cross_field_issues(p: Policy) -> list[PolicyIssue]:
+    """Rules that span sections (the world size is not known here: see :func:`world_issues`)."""
+    issues: list[PolicyIssue] = []
+    dl = p.watchdog.deadlines
+    if p.teardown.deadline_s < dl.teardown:
+        issues.append(PolicyIssue(
+            "teardown.deadline_s",
+            f"must be >= watchdog.deadlines.teardown ({dl.teardown}); raise it or lower the deadline",
+            p.teardown.deadline_s))
+    if p.warmup.deadline_s is not None and p.warmup.deadline_s > dl.warmup:
+        issues.append(PolicyIssue(
+            "warmup.deadline_s", f"must be <= watchdog.deadlines.warmup ({dl.warmup})", p.warmup.deadline_s))
+    experts = getattr(p.train.options, "num_experts", None)
+    ep = p.parallelism.ep
+    if experts is not None and ep > 1:
+        if experts == 0:
+            issues.append(PolicyIssue("parallelism.ep", "ep > 1 needs a MoE model; set train.options."
+                                      "num_experts or parallelism.ep=1", ep))
+        elif ep > experts or experts % ep:
+            issues.append(PolicyIssue(
+                "parallelism.ep", f"must divide train.options.num_experts ({experts}); pick ep in "
+                f"{divisors(experts)}", ep))
+    issues.extend(_model_shape_issues(p))
+    if p.moe.zero_token.action != "off" and experts == 0:
+        issues.append(PolicyIssue("moe.zero_token.action", "the model has no experts (train.options."
+                                  "num_experts=0); set it to off", p.moe.zero_token.action))
+    issues.extend(_fault_issues(p))
+    if "inter_dist_opt" in p.warmup.required and p.parallelism.dist_opt_instances == 1:
+        issues.append(PolicyIssue("warmup.required", "names inter_dist_opt, which megatron creates only with "
+                                  "parallelism.dist_opt_instances > 1; raise the instances or drop the group",
+                                  list(p.warmup.required)))
+    return issues
+
+
+def divisors(n: int, limit: int = 16) -> list[int] | str:
+    """The divisors of ``n`` in order (O(sqrt n), for n up to 10^12), or a hint when there are too many."""
+    if n > 10**12:
+        return "the divisors of that number"
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    found = sorted({*small, *(n // d for d in small)})
+    return found if len(found) <= limit else f"{found[:limit]} ... ({len(found)} divisors)"
+
+
+def _divides(issues: list[PolicyIssue], key: str, size: int, what: str, value: int | None) -> None:
+    if value is not None and size > 1 and value % size:
+        issues.append(PolicyIssue(key, f"must divide {what} ({value}); megatron would refuse the model at build",
+                                  size))
+
+
+def _model_shape_issues(p: Policy) -> list[PolicyIssue]:
+    """What megatron-core checks when it builds the model, checked before anything starts (options of any kind
+    that has them: heads, layers, ffn_hidden, seq_len, num_experts)."""
+    o, par = p.train.options, p.parallelism
+    if p.train.steps == 0 or o is None:
+        return []
+    issues: list[PolicyIssue] = []
+    heads, layers = getattr(o, "heads", None), getattr(o, "num_layers", None)
+    ffn, seq = getattr(o, "ffn_hidden", None), getattr(o, "seq_len", None)
+    _divides(issues, "parallelism.tp", par.tp, "train.options.heads", heads)
+    _divides(issues, "parallelism.tp", par.tp, "train.options.ffn_hidden", ffn)
+    # tensor parallelism runs with sequence parallelism (megatron requires it with expert parallelism)
+    _divides(issues, "parallelism.tp", par.tp, "train.options.seq_len (sequence parallel)", seq)
+    _divides(issues, "parallelism.etp", par.expert_tp, "train.options.ffn_hidden (expert tensor parallel)",
+             ffn if getattr(o, "num_experts", 0) else None)
+    stages = par.pp * (par.vpp or 1)
+    if layers is not None and stages > 1 and layers % stages:
+        issues.append(PolicyIssue("train.options.num_layers", f"must be divisible by pp x vpp = {par.pp} x "
+                                  f"{par.vpp or 1} = {stages} (one equal share of layers per pipeline stage)",
+                                  layers))
+    if seq is not None and par.cp > 1 and seq % (2 * par.cp):
+        issues.append(PolicyIssue("train.options.seq_len", f"must be divisible by 2 x cp = {2 * par.cp} (context "
+                                  f"parallel splits each sequence into 2 x cp chunks)", seq))
+    return issues
+
+
+def _fault_issues(p: Policy) -> list[PolicyIssue]:
+    issues: list[PolicyIssue] = []
+    for i, drill in enumerate(p.faults):
+        if drill.step is not None and drill.step > p.train.steps:
+            issues.append(PolicyIssue(f"faults.{i}.step", f"is after the last train step ({p.train.steps})",
+                                      drill.step))
+    return issues

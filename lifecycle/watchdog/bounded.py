@@ -20,13 +20,11 @@ import time
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
+from lifecycle.errors import StoreUnavailable
+
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 C = TypeVar("C")
-
-
-class StoreUnavailable(RuntimeError):
-    """The store did not answer in time, is not connected (yet), or the connection failed."""
 
 
 class _Call(Generic[C, T]):

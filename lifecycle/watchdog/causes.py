@@ -13,11 +13,11 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-from lifecycle.errors import HangError, LifecycleError, PolicyError, UsageError
+from lifecycle.errors import HangError, LifecycleError, PolicyError, SequenceMismatch, Shutdown, UsageError
 from lifecycle.jsontypes import Json, JsonDict
 from lifecycle.launch.rundir import read_marker
 from lifecycle.watchdog import diagnosis
-from lifecycle.watchdog.seqcheck import PROBE_MAX_GROUP, SequenceMismatch
+from lifecycle.watchdog.seqcheck import PROBE_MAX_GROUP
 from lifecycle.watchdog.sidechannel import SideChannel
 from lifecycle.watchdog.tracker import ProgressTracker
 
@@ -137,14 +137,15 @@ def classify(exc: BaseException) -> str:
         return "hang"
     if isinstance(exc, SequenceMismatch):
         return "sequence"
-    if type(exc).__name__ == "Shutdown":
+    if isinstance(exc, Shutdown):
         return "shutdown"
-    if type(exc).__name__ == "DistNetworkError" or type(exc.__cause__).__name__ == "DistNetworkError":
+    from torch.distributed import DistNetworkError, DistStoreError  # a rank's failure path: torch is loaded
+
+    if isinstance(exc, DistNetworkError) or isinstance(exc.__cause__, DistNetworkError):
         return "lost"  # the store's connection broke: its host died, or the network to it did
     text = f"{exc} {exc.__cause__ or ''}"
     if any(sign in text for sign in _PEER_SIGNS):
         return "peer"
-    if not isinstance(exc, LifecycleError) and ("timed out" in text.lower()
-                                                 or type(exc).__name__ == "DistStoreError"):
+    if not isinstance(exc, LifecycleError) and ("timed out" in text.lower() or isinstance(exc, DistStoreError)):
         return "hang"
     return "failed"

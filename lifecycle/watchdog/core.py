@@ -40,11 +40,11 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
-from lifecycle.errors import ExitCode, HangError
+from lifecycle.errors import ExitCode, HangError, StoreUnavailable, culprits
 from lifecycle.jsontypes import JsonDict
 from lifecycle.launch import rundir
 from lifecycle.watchdog import causes, diagnosis
-from lifecycle.watchdog.bounded import BoundedChannel, StoreUnavailable
+from lifecycle.watchdog.bounded import BoundedChannel
 from lifecycle.watchdog.causes import Cause
 from lifecycle.watchdog.members import members_of
 from lifecycle.watchdog.report import publish, publish_local, publish_usage
@@ -349,7 +349,7 @@ class Watchdog:
                 cause = Cause("lost", f"side channel lost: store {self.store_address} unreachable ({text}); rank "
                               f"{self.rank} was at {own}", self.rank, phase)
             else:
-                hint = list(getattr(exc, "ranks", None) or getattr(exc, "missing", None) or [])
+                hint = culprits(exc)
                 detail = {"failed": f"rank {self.rank} raised {text}", "sequence": str(exc)}.get(
                     kind, f"rank {self.rank}: {text}")
                 cause = Cause(kind, detail, self.rank, phase, {}, hint)

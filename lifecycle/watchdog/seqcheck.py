@@ -26,7 +26,7 @@ import time
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from lifecycle.errors import HangError, PhaseError
+from lifecycle.errors import HangError, SequenceMismatch
 from lifecycle.jsontypes import JsonDict
 from lifecycle.watchdog.members import EVERY_RANK, members_of
 
@@ -38,20 +38,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 PROBE_MAX_GROUP = 64  # larger groups are left to the deadline (reading their records costs O(size))
 _PROBE_AFTER_S = 0.3
-
-
-class SequenceMismatch(PhaseError):
-    """Ranks of one group issued different numbers of collectives on it (or one is blocked in an extra one).
-
-    ``ranks`` lists the global ranks whose counts disagree.
-    """
-
-    is_divergence = True
-    """The job would hang at the diverging collective: the orchestrator exits with the hang code."""
-
-    def __init__(self, message: str, *, ranks: list[int] | None = None, **where: object) -> None:
-        super().__init__(message, **where)  # type: ignore[arg-type]
-        self.ranks = sorted(set(ranks or []))
 
 
 class SequenceCheck:

@@ -65,7 +65,8 @@ def _build_layer(experts_cls: type, seed: int = 1234) -> Any:
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.transformer.spec_utils import build_module
 
-    from lifecycle.backends.megatron.model import ModelSpec, parallel_sizes, transformer_config
+    from lifecycle.backends.megatron.model import parallel_sizes, transformer_config
+    from lifecycle.backends.megatron.state import ModelSpec
     from lifecycle.handlers.options import MegatronGPTOptions
 
     spec = ModelSpec(MegatronGPTOptions(num_layers=1, hidden=16, ffn_hidden=32, heads=2, num_experts=4, topk=2),

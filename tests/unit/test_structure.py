@@ -1,9 +1,11 @@
-"""The shape of the code base: every Python file is linted, imports form no cycle, layers stay apart.
+"""The shape of the code base: every Python file is linted, imports form no cycle, layers stay apart, every
+exception lives in ``errors.py``, the public face is what ``__all__`` says.
 
 The import graph is read from the AST of every module under ``lifecycle/`` — imports inside functions
-included (a lazy import still ties two modules together), imports under ``if TYPE_CHECKING:`` excluded
-(they never run). Importing ``lifecycle.a.b`` also runs ``lifecycle/a/__init__.py``, so a module depends
-on its parent packages too.
+included (a lazy import still ties two modules together); imports under ``if TYPE_CHECKING:`` count for the
+cycle check (a circle of type hints is still a circle a reader must hold in mind) and not for what importing a
+module runs. Importing ``lifecycle.a.b`` also runs ``lifecycle/a/__init__.py``, so a module depends on its parent
+packages too.
 """
 
 from __future__ import annotations
@@ -40,13 +42,14 @@ def _is_type_checking(test: ast.expr) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _imports(tree: ast.AST, module: str, is_package: bool) -> set[str]:
-    """Absolute names imported anywhere in ``tree`` except under ``if TYPE_CHECKING``: ``import a.b`` gives
-    ``a.b``; ``from a import b`` gives ``a`` and ``a.b`` (the caller keeps those that are modules)."""
+def _imports(tree: ast.AST, module: str, is_package: bool, *, type_checking: bool = False) -> set[str]:
+    """Absolute names imported anywhere in ``tree`` (under ``if TYPE_CHECKING`` only with ``type_checking``):
+    ``import a.b`` gives ``a.b``; ``from a import b`` gives ``a`` and ``a.b`` (the caller keeps those that are
+    modules)."""
     found: set[str] = set()
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
+        if isinstance(node, ast.If) and _is_type_checking(node.test) and not type_checking:
             for child in node.orelse:
                 visit(child)
             return
@@ -66,14 +69,14 @@ def _imports(tree: ast.AST, module: str, is_package: bool) -> set[str]:
     return found
 
 
-def _graph(*, parents: bool = False) -> dict[str, set[str]]:
+def _graph(*, parents: bool = False, type_checking: bool = False) -> dict[str, set[str]]:
     """Module -> the lifecycle modules it imports. ``from pkg import sub`` depends on ``pkg.sub`` (the package
     itself only when a name is taken from it). With ``parents`` a module also depends on the packages above
     it and above each import (their ``__init__`` runs first): what importing it may run, transitively."""
     modules = _modules()
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
-        names = _imports(ast.parse(path.read_text()), name, path.name == "__init__.py")
+        names = _imports(ast.parse(path.read_text()), name, path.name == "__init__.py", type_checking=type_checking)
         deps = {n for n in names if n in modules}
         deps -= {d for d in deps if any(n.startswith(d + ".") and n in modules for n in names)
                  and not _takes_a_name(d, names, modules)}
@@ -130,9 +133,66 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
-def test_the_import_graph_has_no_cycle() -> None:
-    cycles = _cycles(_graph())
-    assert cycles == [], f"import cycles among lifecycle modules: {cycles}"
+def test_the_import_graph_has_no_cycle_type_hints_included() -> None:
+    assert _cycles(_graph()) == [], "import cycles among lifecycle modules"
+    cycles = _cycles(_graph(type_checking=True))
+    assert cycles == [], f"import cycles among lifecycle modules (TYPE_CHECKING imports included): {cycles}"
+
+
+def test_every_exception_class_is_defined_in_errors() -> None:
+    from lifecycle import errors
+
+    elsewhere = []
+    for name, path in _modules().items():
+        if name == "lifecycle.errors":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and any(
+                    (b.id if isinstance(b, ast.Name) else b.attr if isinstance(b, ast.Attribute) else "").endswith(
+                        ("Error", "Exception", "Mismatch", "Unavailable", "Shutdown")) for b in node.bases):
+                elsewhere.append(f"{name}.{node.name}")
+    assert elsewhere == [], f"exception classes outside lifecycle/errors.py: {elsewhere}"
+    for cls in (errors.Shutdown, errors.RunDirError, errors.DrillError, errors.SequenceMismatch,
+                errors.StoreUnavailable):
+        assert cls.__module__ == "lifecycle.errors"
+
+
+def test_no_exception_is_matched_by_its_type_name() -> None:
+    offenders = []
+    for name, path in _modules().items():
+        text = path.read_text()
+        for needle in ('__name__ == "Shutdown"', "is_divergence", 'getattr(exc, "ranks"', 'getattr(exc, "missing"'):
+            if needle in text:
+                offenders.append(f"{name}: {needle}")
+    assert offenders == [], offenders
+
+
+def test_the_exit_code_comes_from_one_function() -> None:
+    from lifecycle import errors
+    from lifecycle.policy.load import validate
+
+    codes = validate({"teardown": {"exit_codes": {"hang": 13, "rank_failed": 14}}}).teardown.exit_codes
+    cases = [(errors.PolicyError.single("a", "b"), 2, 2), (errors.RunDirError("x"), 2, 2),
+             (errors.CheckpointError("x"), 2, 2), (errors.HangError("x"), 3, 13),
+             (errors.SequenceMismatch("x"), 3, 13), (errors.DrillError("x"), 4, 14), (RuntimeError("x"), 4, 14),
+             (errors.Shutdown(), 4, 14)]
+    for exc, default, policy in cases:
+        assert errors.exit_code(exc) == default and errors.exit_code(exc, codes) == policy, exc
+        if isinstance(exc, errors.LifecycleError):
+            assert exc.exit_code == default
+
+
+def test_the_public_face_imports_no_torch_and_every_name_in_all_resolves() -> None:
+    code = ("import sys, lifecycle; assert 'torch' not in sys.modules, 'import lifecycle imported torch'; "
+            "[getattr(lifecycle, n) for n in lifecycle.__all__]; print(len(lifecycle.__all__))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert int(proc.stdout.strip()) >= 10
+
+
+def test_only_a_handful_of_modules_sit_at_the_top() -> None:
+    top = sorted(p.stem for p in PACKAGE.glob("*.py"))
+    assert top == ["__init__", "__main__", "cli", "context", "errors", "jsontypes", "safeio"], top
 
 
 def test_the_cycle_finder_finds_a_cycle() -> None:

@@ -46,9 +46,9 @@ import torch
 import torch.distributed as dist
 
 from lifecycle.backends.megatron.cpu_compat import apply_cpu_compat
-from lifecycle.backends.megatron.model import TrainState
 from lifecycle.backends.megatron.save_handle import BACKEND, VERSION, SaveHandle
 from lifecycle.backends.megatron.schedule import finish_param_sync
+from lifecycle.backends.megatron.state import TrainState
 from lifecycle.errors import PhaseError
 
 __all__ = ["SaveHandle", "begin_save", "load", "sharded_state"]

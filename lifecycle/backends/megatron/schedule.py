@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
-    from lifecycle.backends.megatron.model import TrainState
+    from lifecycle.backends.megatron.state import TrainState
 
 logger = logging.getLogger(__name__)
 

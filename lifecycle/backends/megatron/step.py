@@ -8,18 +8,18 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from lifecycle.context import RunContext
+from lifecycle.handlers.protocols import StepContext
 
 log = logging.getLogger(__name__)
 
 
 class TorchDistCheckpoints:
-    """Save and load ``self.state`` (a :class:`~lifecycle.backends.megatron.model.TrainState`) in torch_dist format:
+    """Save and load ``self.state`` (a :class:`~lifecycle.backends.megatron.state.TrainState`) in torch_dist format:
     the checkpoint half of the built-in kind and of a trainer's watched megatron model."""
 
     state: Any
 
-    def begin_save(self, ctx: RunContext, ckpt_dir: Path) -> Any:
+    def begin_save(self, ctx: StepContext, ckpt_dir: Path) -> Any:
         """Collective on the default group (planning; first the parameter all-gather on each
         distributed-optimizer instance's dp group with ``overlap_param_gather``); the writes follow on this
         rank only."""
@@ -29,7 +29,7 @@ class TorchDistCheckpoints:
         ck = ctx.policy.checkpoint
         return checkpoint.begin_save(self.state, str(ckpt_dir), fully_parallel=ck.fully_parallel, async_=ck.async_)
 
-    def load(self, ctx: RunContext, ckpt_dir: Path) -> int:
+    def load(self, ctx: StepContext, ckpt_dir: Path) -> int:
         """Collective on the default group."""
         from lifecycle.backends.megatron import checkpoint
 
@@ -48,11 +48,12 @@ class MegatronGPTStep(TorchDistCheckpoints):
         self.starve: Any = None
         self.dp_rank = 0
 
-    def setup(self, ctx: RunContext) -> None:
+    def setup(self, ctx: StepContext) -> None:
         """Collective on the default group (the optimizer aligns parameter groups with all_gather_object)."""
         from megatron.core import parallel_state as ps
 
-        from lifecycle.backends.megatron.model import ModelSpec, build
+        from lifecycle.backends.megatron.model import build
+        from lifecycle.backends.megatron.state import ModelSpec
 
         o = self.o
         self.state = build(ModelSpec(o, seed=ctx.policy.run.seed))
@@ -63,12 +64,12 @@ class MegatronGPTStep(TorchDistCheckpoints):
             from lifecycle.moe import install_zero_token_guard
 
             def on_event(layer: str, step: int | None, total: int) -> None:
-                ctx.events.instant("zero_token", layer=layer, step=step, count=1, total=total, action=action)
+                ctx.instant("zero_token", layer=layer, step=step, count=1, total=total, action=action)
 
             self.guard = install_zero_token_guard(self.state.gpts, action, rank=ctx.rank, on_event=on_event)
         self._zero_token_drills(ctx)
 
-    def _zero_token_drills(self, ctx: RunContext) -> None:
+    def _zero_token_drills(self, ctx: StepContext) -> None:
         from lifecycle.distributed.faults import zero_token_drills
 
         if not zero_token_drills(ctx.policy.faults) or not self.o.num_experts:
@@ -81,7 +82,7 @@ class MegatronGPTStep(TorchDistCheckpoints):
         ep_ranks = dist.get_process_group_ranks(ps.get_expert_model_parallel_group())
         self.starve = ZeroTokenRouting(self.state.gpts, ep_ranks, self.o.num_experts, self.o.topk)
 
-    def step(self, ctx: RunContext, step: int) -> dict[str, float]:
+    def step(self, ctx: StepContext, step: int) -> dict[str, float]:
         """Collective on every group the model uses (pp send/recv, MoE all-to-all, dp/edp gradient reduction,
         loss): see :func:`lifecycle.backends.megatron.schedule.train_step`."""
         from lifecycle.backends.megatron.model import step_batches, train_step
@@ -93,7 +94,7 @@ class MegatronGPTStep(TorchDistCheckpoints):
 
             self.starve.starved = starved_ranks(ctx.policy.faults, step)
         loss = train_step(self.state, step_batches(self.state.spec, step, self.dp_rank))
-        ctx.op_counts["step"] += 1
+        ctx.count_op("step")
         if self.state.grad_norm is None:
             return {"loss": loss}
         return {"loss": loss, "grad_norm": self.state.grad_norm}
@@ -112,7 +113,7 @@ class MegatronGPTStep(TorchDistCheckpoints):
         self.state = None
 
 
-def record_collectives(ctx: RunContext) -> None:
+def record_collectives(ctx: StepContext) -> None:
     """Megatron DDP's bucket collectives become spans on their groups (a hang there names group and ranks)."""
     from megatron.core import parallel_state as ps
 
@@ -123,10 +124,7 @@ def record_collectives(ctx: RunContext) -> None:
         log.info("this megatron-core has no DDP coalescing hook: gradient reductions are not traced")
         return
 
-    def count(label: str) -> None:
-        ctx.op_counts[label] += 1
-
     # Megatron's dense dp group inside one distributed-optimizer instance has no symbolic name.
     extra = {"intra_dp": ps.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True)}
     labels = comm_events.group_labels(ctx.parallel.get_group, [n for n in GROUP_NAMES if n != "world"], extra)
-    comm_events.set_recorder(comm_events.Recorder(ctx.events.span, count, labels))
+    comm_events.set_recorder(comm_events.Recorder(ctx.span, ctx.count_op, labels))

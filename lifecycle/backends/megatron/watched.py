@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from lifecycle.backends.megatron.step import TorchDistCheckpoints
-from lifecycle.context import RunContext
+from lifecycle.handlers.protocols import StepContext
 
 
 class _Chunk:
@@ -29,7 +29,7 @@ class WatchedMegatron(TorchDistCheckpoints):
     """The save/load half of a step handler over a trainer's model chunks and optimizer (torch_dist format)."""
 
     def __init__(self, chunks: list[Any], optimizer: Any) -> None:
-        from lifecycle.backends.megatron.model import ModelSpec, TrainState
+        from lifecycle.backends.megatron.state import ModelSpec, TrainState
         from lifecycle.handlers.options import MegatronGPTOptions
 
         wrapped = [c if hasattr(c, "module") else _Chunk(c) for c in chunks]
@@ -40,10 +40,10 @@ class WatchedMegatron(TorchDistCheckpoints):
         self.state = TrainState(spec=spec, chunks=wrapped, optimizer=optimizer,
                                 config=getattr(wrapped[0].module, "config", None))
 
-    def setup(self, ctx: RunContext) -> None:
+    def setup(self, ctx: StepContext) -> None:
         """Nothing to build: the trainer built its model."""
 
-    def step(self, ctx: RunContext, step: int) -> dict[str, float]:
+    def step(self, ctx: StepContext, step: int) -> dict[str, float]:
         raise RuntimeError("a watched model is stepped by the trainer's own loop")
 
     def close(self) -> None:

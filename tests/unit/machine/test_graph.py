@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from lifecycle.distributed.faults import DrillError, Drills
-from lifecycle.errors import TransitionError
+from lifecycle.distributed.faults import Drills
+from lifecycle.errors import DrillError, TransitionError
 from lifecycle.machine import graph
 from lifecycle.machine.plan import build_plan
 from lifecycle.policy.load import validate

@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from lifecycle.watchdog.bounded import BoundedChannel, StoreUnavailable
+from lifecycle.errors import StoreUnavailable
+from lifecycle.watchdog.bounded import BoundedChannel
 
 pytestmark = pytest.mark.timeout(30)
 

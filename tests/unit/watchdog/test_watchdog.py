@@ -156,14 +156,16 @@ def test_crossed_waits_are_a_divergence_and_lockstep_ranks_are_not() -> None:
 
 # ---- causes ---------------------------------------------------------------------------------------
 def test_classify() -> None:
-    from lifecycle.distributed.faults import DrillError
+    from lifecycle.errors import DrillError, SequenceMismatch, Shutdown
 
-    class Shutdown(BaseException):
+    class LookAlike(BaseException):  # matched by type, not by its name
         pass
 
+    LookAlike.__name__ = "Shutdown"
     assert causes.classify(HangError("x")) == "hang"
-    assert causes.classify(seqcheck.SequenceMismatch("x", ranks=[1])) == "sequence"
+    assert causes.classify(SequenceMismatch("x", ranks=[1])) == "sequence"
     assert causes.classify(Shutdown("launcher")) == "shutdown"
+    assert causes.classify(LookAlike("launcher")) == "failed"
     assert causes.classify(PhaseError("all_reduce failed: Connection closed by peer [127.0.0.1]:1")) == "peer"
     assert causes.classify(RuntimeError("Socket Timeout: timed out after 30s")) == "hang"
     assert causes.classify(DrillError("fault drill: raise")) == "failed"

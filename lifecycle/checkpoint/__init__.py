@@ -3,7 +3,7 @@
 save itself lives in :mod:`lifecycle.backends.megatron`.
 """
 
-from lifecycle.checkpoint.commit import ASYNC_COMMIT, PendingSave, TrainerSave, finish_pending, save
+from lifecycle.checkpoint.commit import ASYNC_COMMIT, PendingSave, TrainerSave, finish_pending, plan, save
 from lifecycle.checkpoint.resume import resume
 
-__all__ = ["ASYNC_COMMIT", "PendingSave", "TrainerSave", "finish_pending", "resume", "save"]
+__all__ = ["ASYNC_COMMIT", "PendingSave", "TrainerSave", "finish_pending", "plan", "resume", "save"]

@@ -21,6 +21,7 @@ from lifecycle.checkpoint import ckptdir
 from lifecycle.checkpoint.pending import PendingSave
 from lifecycle.errors import CheckpointError, PhaseError
 from lifecycle.launch import rundir
+from lifecycle.phases.base import Action, GroupView, barrier_actions, deadline_text, sequence_check
 from lifecycle.phases.points import run_points
 
 if TYPE_CHECKING:
@@ -28,12 +29,41 @@ if TYPE_CHECKING:
 
     from lifecycle.context import RunContext
     from lifecycle.handlers.protocols import StepHandler
+    from lifecycle.policy.schema import Policy
 
 log = logging.getLogger(__name__)
 
 
 ASYNC_COMMIT = "async_commit"
 """The reason that asks the checkpoint phase to commit the pending async save (at the next step boundary)."""
+
+
+def plan(policy: Policy, view: GroupView | None = None) -> list[Action]:
+    """The checkpoint phase's actions (:func:`save`, then :func:`finish_pending` at once or, async, at the next
+    step boundary)."""
+    ck = policy.checkpoint
+    if policy.train.steps == 0 or not (ck.every_steps or ck.at_end or ck.on_signal):
+        return []
+    dl = policy.deadline("checkpoint")
+    when = [f"every {ck.every_steps} steps" if ck.every_steps else "", "at end" if ck.at_end else "",
+            f"on {'/'.join(ck.signals)}" if ck.on_signal else ""]
+    digest = ([Action("digest", None, dl, "each rank hashes its share of the files (sha256)"),
+               Action("barrier:ckpt_digested", "world", dl, "via store; the digests reach rank 0",
+                      when="world size > 1")]
+              if ck.verify == "digest" else [])
+    return [
+        *barrier_actions(policy, "before_checkpoint", dl),
+        Action("barrier:ckpt_prepare", "world", dl, "via store; rank 0 cleared the .tmp folder"),
+        Action("save", "world", dl, f"deadline {deadline_text(policy, 'checkpoint')}; {'async' if ck.async_ else 'sync'}"
+               f", {'fully parallel' if ck.fully_parallel else 'plain'}; {', '.join(w for w in when if w)}"),
+        Action("commit", None, dl, f"every rank's writes agreed over the {ck.coordination}"
+               f"{'; at the next step boundary' if ck.async_ else ''}"),
+        *digest,
+        Action("barrier:ckpt_committed", "world", dl, f"via store; rank 0 wrote the manifest, renamed .tmp -> "
+               f"iter_N, the trackers, keep_last={ck.keep_last}"),
+        *barrier_actions(policy, "after_checkpoint", dl),
+        *sequence_check(policy, "checkpoint -> train"),
+    ]
 
 
 def _all_ranks(ctx: RunContext) -> list[int]:

@@ -135,5 +135,6 @@ def render(info: JsonDict) -> str:
             also = [n for n in a.get("names", []) if n != group]
             alias = f" (= {', '.join(also)})" if also else ""
             dl = f"deadline {a['deadline_s']:g}s" if "deadline_s" in a else ""
-            lines.append(f"  {i:>2}. {a['op']:<26} {group + alias:<28} {dl:<16} {a.get('detail', '')}".rstrip())
+            when = f" (when {a['when']})" if a.get("when") and a["op"] != "sequence_check" else ""
+            lines.append(f"  {i:>2}. {a['op']:<32} {group + alias:<28} {dl:<16} {a.get('detail', '')}{when}".rstrip())
     return "\n".join(lines)

@@ -1,6 +1,6 @@
 """Per-rank JSONL events: one JSON object per line in ``<run_dir>/events/rank_<R>.jsonl``.
 
-Schema (documented in the README): ``t`` (µs since the Unix epoch: one clock base for every rank of a
+Schema (documented in docs/timeline.md): ``t`` (µs since the Unix epoch: one clock base for every rank of a
 run), ``rank``, ``local_rank``, ``host``, ``phase``, ``kind`` (``begin`` | ``end`` | ``instant`` |
 ``scalar``), ``name``, and optionally ``group``, ``step``, ``dur_us`` (on ``end``), ``outcome`` and any
 extra fields (bytes, memory, zero-token counts, exit code...). Lines are buffered in memory and written

@@ -9,11 +9,13 @@ import time
 from typing import TYPE_CHECKING
 
 from lifecycle.errors import PhaseError, PolicyError
+from lifecycle.phases.base import Action, GroupView, barrier_actions, sequence_check
 from lifecycle.phases.points import run_points
 from lifecycle.policy.checks import world_issues
 
 if TYPE_CHECKING:
     from lifecycle.context import RunContext
+    from lifecycle.policy.schema import Policy
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +51,22 @@ def nccl_env(ctx: RunContext) -> None:
 
 class InitPhase:
     phase = "init"
+
+    @staticmethod
+    def plan(policy: Policy, view: GroupView | None = None) -> list[Action]:
+        dl = policy.deadline("init")
+        par = policy.parallelism
+        layout = (f"tp={par.tp} pp={par.pp} cp={par.cp} ep={par.ep} etp={par.expert_tp} vpp={par.vpp} "
+                  f"dist_opt_instances={par.dist_opt_instances}")
+        return [
+            Action("import:backend", None, None, "the backend's imports, before the rendezvous"),
+            Action("init_process_group", "world", dl, f"backend={policy.distributed.backend}, env://"),
+            Action("initialize_model_parallel", "world", dl, layout),
+            Action("check_policy_hash", "world", dl, "all_gather of the resolved policy's sha256 and each rank's "
+                   "attempt number (the newest is agreed)"),
+            *barrier_actions(policy, "after_init", dl),
+            *sequence_check(policy, "init -> warmup"),
+        ]
 
     def enabled(self, ctx: RunContext) -> bool:
         return True

@@ -14,12 +14,14 @@ from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING
 
+from lifecycle.phases.base import Action, GroupView, barrier_actions
 from lifecycle.phases.points import run_points
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
     from lifecycle.context import RunContext
+    from lifecycle.policy.schema import Policy
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +92,20 @@ class TeardownPhase:
 
     def enabled(self, ctx: RunContext) -> bool:
         return True
+
+    @staticmethod
+    def plan(policy: Policy, view: GroupView | None = None) -> list[Action]:
+        dl = policy.deadline("teardown")
+        actions = []
+        for step in policy.teardown.success:
+            actions.append(Action(f"teardown:{step}", "world" if step in ("barrier", "destroy_process_group")
+                                  else None, dl))
+            if step == "barrier":
+                actions.extend(barrier_actions(policy, "before_teardown", dl))
+        actions.append(Action("hard_deadline", None, policy.teardown.deadline_s,
+                              f"os._exit({policy.teardown.exit_codes.teardown_deadline}) when passed; "
+                              f"failure path: {policy.teardown.failure}", event=None))
+        return actions
 
     def arm(self, ctx: RunContext, *, step: str = "start") -> HardDeadline:
         """Start the hard exit timer (``teardown.deadline_s``); ``cancel()`` it when teardown returned."""

@@ -14,11 +14,13 @@ from contextlib import closing, contextmanager
 from typing import TYPE_CHECKING, NamedTuple
 
 from lifecycle.handlers import registry
+from lifecycle.phases.base import Action, GroupView, deadline_text, sequence_check
 from lifecycle.phases.points import run_point
 
 if TYPE_CHECKING:
     from lifecycle.context import RunContext
     from lifecycle.handlers.protocols import StepHandler
+    from lifecycle.policy.schema import Policy
 
 log = logging.getLogger(__name__)
 
@@ -221,6 +223,40 @@ class TrainPhase:
 
     def enabled(self, ctx: RunContext) -> bool:
         return True  # entered even with train.steps=0: the stop-flag agreement and teardown's order need it
+
+    @staticmethod
+    def plan(policy: Policy, view: GroupView | None = None) -> list[Action]:
+        ck, dl = policy.checkpoint, policy.deadline("train")
+        auto = policy.is_auto("train") or policy.is_auto("checkpoint")
+        flag = ck.on_signal or auto
+        first = ([Action("stop_flag", "world", dl, "a preemption signal before the first step", when="on_signal")]
+                 if ck.on_signal else [])
+        if policy.train.steps == 0:
+            return [*first, *sequence_check(policy, "train -> teardown")]
+        actions = [*first, Action("setup", None, None, f"build the {policy.train.kind} model and optimizer")]
+        if ck.resume != "never":
+            when = "a committed checkpoint exists"
+            if ck.verify == "digest":
+                actions.append(Action("verify", None, policy.deadline("checkpoint"), "each rank checks the sha256 "
+                                      "of its share of the files, then the ranks agree", when=when))
+            actions.append(Action("resume", "world", policy.deadline("checkpoint"), f"resume={ck.resume}, "
+                                  f"on_corrupt={ck.on_corrupt}; the ranks agree on the step loaded", when=when))
+        actions.append(Action("step", "world", dl, f"{policy.train.kind} x {policy.train.steps}, deadline "
+                              f"{deadline_text(policy, 'train')} per step"))
+        every = policy.barriers.every_n_steps
+        if every is not None:
+            actions.append(Action(f"barrier:every_{every.n}_steps", every.group, every.timeout_s or dl,
+                                  when=f"every {every.n} steps"))
+        if flag:
+            carries = " and ".join(w for w in ("the preemption flag" if ck.on_signal else "",
+                                               "the auto deadlines" if auto else "") if w)
+            cadence = "every step" if ck.signal_check_every == 1 else f"every {ck.signal_check_every} steps"
+            how = ("issued at a step's end, read at the next one's (overlapped; save steps and the last step at "
+                   "once)" if ck.signal_overlap else "read at once")
+            actions.append(Action("stop_flag", "world", dl, f"max all-reduce of {carries}, {cadence}, {how}"))
+        if policy.moe.zero_token.action != "off":
+            actions.append(Action("zero_token_guard", "ep", None, policy.moe.zero_token.action, event=None))
+        return [*actions, *sequence_check(policy, "train -> checkpoint at each save, train -> teardown at the end")]
 
     def run(self, ctx: RunContext) -> None:
         """Collective on the default group (the stop flag) and on every group the step handler uses."""

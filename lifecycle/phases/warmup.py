@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from lifecycle.distributed.names import GROUP_NAMES
-from lifecycle.machine.plan import WarmTarget, build_plan, requested_groups
+from lifecycle.phases.base import Action, GroupView, WarmTarget, barrier_actions, sequence_check
 from lifecycle.phases.points import run_point
 
 if TYPE_CHECKING:
@@ -16,8 +16,16 @@ if TYPE_CHECKING:
     from lifecycle.context import RunContext
     from lifecycle.distributed.collectives import WarmupOp
     from lifecycle.distributed.groups import ResolvedGroup
+    from lifecycle.policy.schema import Policy
 
 log = logging.getLogger(__name__)
+
+
+def requested_groups(policy: Policy) -> list[str]:
+    """The warmup group names in the canonical order (that order is the same on every rank)."""
+    groups = policy.warmup.groups
+    wanted = list(GROUP_NAMES) if groups == "all" else list(groups)
+    return [n for n in GROUP_NAMES if n in wanted]
 
 
 class ResolvedView:
@@ -64,6 +72,21 @@ class WarmupPhase:
     def enabled(self, ctx: RunContext) -> bool:
         return ctx.policy.warmup.enabled
 
+    @staticmethod
+    def plan(policy: Policy, view: GroupView | None = None) -> list[Action]:
+        """Each (communicator, op) in the policy's order — executed as planned by :meth:`run`."""
+        if not policy.warmup.enabled:
+            return []
+        dl = policy.warmup.deadline_s or policy.deadline("warmup")
+        names = requested_groups(policy)
+        targets = view.warm_targets(names) if view else [WarmTarget((n,)) for n in names]
+        ops = policy.warmup.ops
+        pairs = ([(t, op) for t in targets for op in ops] if policy.warmup.order == "group_major"
+                 else [(t, op) for op in ops for t in targets])
+        actions = [Action(f"warm:{op}", t.names[0], dl, names=t.names, ranks=t.ranks) for t, op in pairs]
+        return [*actions, *barrier_actions(policy, "after_warmup", policy.deadline("warmup")),
+                *sequence_check(policy, "warmup -> train")]
+
     def run(self, ctx: RunContext) -> None:
         """Every rank runs the same ordered (group, op) list; each op is collective on its group."""
         from lifecycle.distributed import groups
@@ -71,10 +94,12 @@ class WarmupPhase:
         policy = ctx.policy
         ctx.groups = groups.resolve(ctx.parallel, requested_groups(policy), policy.warmup.required)
         by_name = {n: g for g in ctx.groups for n in g.names}
-        plan = build_plan(policy, ResolvedView(ctx.groups)).phases["warmup"]
+        plan = self.plan(policy, ResolvedView(ctx.groups))
         point_index: dict[str, int] = {}
         timings: dict[str, float] = {}
         for action in plan:
+            if not action.op.startswith(("barrier:", "warm:")):
+                continue  # the sequence check: the phase hook runs it when warmup is left
             if action.op.startswith("barrier:"):
                 point = action.op.split(":", 1)[1]
                 i = point_index.get(point, 0)

@@ -1,6 +1,7 @@
-"""The README's policy table, generated from the schema (a test keeps the README in sync).
+"""The policy table of docs/policy.md, generated from the schema (a test keeps the page in sync).
 
-``python -m lifecycle.policy.doc`` prints it.
+``python -m lifecycle.policy.doc`` prints it; ``python -m lifecycle.policy.doc --write`` rewrites the table
+between :data:`BEGIN` and :data:`END` in docs/policy.md, and ``lifecycle.schema.json``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from lifecycle.handlers import registry
 from lifecycle.policy.schema import Policy
 
 BEGIN, END = "<!-- policy-table:begin -->", "<!-- policy-table:end -->"
+PAGE = Path("docs") / "policy.md"
+"""Where the table lives, relative to the source tree's root."""
 
 
 def _type(ann: Any) -> str:
@@ -83,13 +86,13 @@ def table() -> str:
 
 
 def write(root: Path) -> None:
-    """Refresh the README table and ``lifecycle.schema.json`` in a source tree."""
+    """Refresh the policy table of docs/policy.md and ``lifecycle.schema.json`` in a source tree."""
     from lifecycle.policy.jsonschema import policy_json_schema
 
-    readme = root / "README.md"
-    text = readme.read_text()
+    page = root / PAGE
+    text = page.read_text()
     start, end = text.index(BEGIN), text.index(END) + len(END)
-    readme.write_text(text[:start] + table() + text[end:])
+    page.write_text(text[:start] + table() + text[end:])
     (root / "lifecycle.schema.json").write_text(json.dumps(policy_json_schema(), indent=1) + "\n")
 
 

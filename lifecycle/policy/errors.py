@@ -75,7 +75,7 @@ def _message(err: Any) -> str:
     for noise in ("Value error, ", "Assertion failed, "):
         msg = msg.removeprefix(noise)
     if err["type"] == "extra_forbidden":
-        msg = "unknown key; check the spelling against `lifecycle schema` or the README's policy table"
+        msg = "unknown key; check the spelling against `lifecycle schema` or the policy table in docs/policy.md"
     elif err["type"] == "finite_number":
         msg = "Input should be a finite number (inf and nan are refused); give a plain number"
     return msg

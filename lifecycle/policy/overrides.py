@@ -93,8 +93,8 @@ def _key_issue(key: str, text: str, roots: Sequence[ConfigRoot], *, is_delete: b
     close = [c for c in difflib.get_close_matches(dotted, [k.split(" ")[0] for k in known], n=3, cutoff=0.6)]
     close = [next(k for k in known if k.split(" ")[0] == c) for c in close]
     hint = f"did you mean {' or '.join(close)}? " if close else ""
-    return PolicyIssue(dotted, f"unknown key; {hint}every key is listed by `lifecycle schema` and in the README's "
-                       f"policy table", text.partition("=")[2] or None)
+    return PolicyIssue(dotted, f"unknown key; {hint}every key is listed by `lifecycle schema` and in the policy "
+                       f"table of docs/policy.md", text.partition("=")[2] or None)
 
 
 def _group_issue(group: str, value: Any, roots: Sequence[ConfigRoot]) -> PolicyIssue | None:

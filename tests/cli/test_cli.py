@@ -55,9 +55,10 @@ def test_explain_json_is_the_plan() -> None:
     proc = run_cli("explain", "--json", "train.steps=0")
     assert proc.returncode == 0, proc.stderr
     info = json.loads(proc.stdout)
-    assert info["plan"]["train"] == [] and info["plan"]["checkpoint"] == []
-    assert [a["op"] for a in info["plan"]["init"]][:3] == [
-        "init_process_group", "initialize_model_parallel", "check_policy_hash"]
+    assert [a["op"] for a in info["plan"]["train"]] == ["stop_flag", "sequence_check"]
+    assert info["plan"]["checkpoint"] == []
+    assert [a["op"] for a in info["plan"]["init"]][:4] == [
+        "import:backend", "init_process_group", "initialize_model_parallel", "check_policy_hash"]
 
 
 def test_schema_is_a_json_schema_that_accepts_resolved_policies() -> None:

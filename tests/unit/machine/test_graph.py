@@ -50,8 +50,10 @@ def test_plan_orders_and_skips() -> None:
                   "train": {"steps": 0}})
     plan = build_plan(p).phases
     assert [(a.op, a.group) for a in plan["warmup"]] == [
-        ("warm:barrier", "world"), ("warm:barrier", "edp"), ("warm:p2p", "world"), ("warm:p2p", "edp")]
-    assert plan["train"] == [] and plan["checkpoint"] == []
+        ("warm:barrier", "world"), ("warm:barrier", "edp"), ("warm:p2p", "world"), ("warm:p2p", "edp"),
+        ("sequence_check", "world")]
+    # train.steps=0: only the stop flag before the (absent) first step and the check when train is left
+    assert [a.op for a in plan["train"]] == ["stop_flag", "sequence_check"] and plan["checkpoint"] == []
     assert plan["teardown"][-1].op == "hard_deadline"
 
 
@@ -64,7 +66,7 @@ def test_plan_orders_and_skips() -> None:
 def test_plan_names_the_stop_flag_and_how_it_is_read(checkpoint: dict[str, object], deadlines: dict[str, object],
                                                      expect: str | None) -> None:
     p = validate({"checkpoint": checkpoint, "watchdog": {"deadlines": deadlines}})
-    flags = [a for a in build_plan(p).phases["train"] if a.op == "stop_flag"]
+    flags = [a for a in build_plan(p).phases["train"] if a.op == "stop_flag" and not a.when]
     if expect is None:
         assert flags == []
     else:

@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
+from lifecycle.checkpoint.local_files import LocalFilesSave
 from lifecycle.errors import PhaseError
 from lifecycle.handlers.protocols import StepContext
-from lifecycle.handlers.synthetic import LocalFilesSave
 
 
 class WatchedModules:

@@ -16,3 +16,19 @@ def run_cli(*args: str, timeout: float = 60, env: dict[str, str] | None = None,
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run([sys.executable, "-m", "lifecycle", *args], capture_output=True, text=True,
                           timeout=timeout, env=full_env, cwd=cwd or ROOT)
+
+
+def install_team_pack(tmp: Path) -> Path:
+    """``pip install --no-deps --target`` of examples/team_pack (built from a copy: the tree stays clean); the site
+    folder to put on PYTHONPATH."""
+    import shutil
+
+    src = shutil.copytree(ROOT / "examples" / "team_pack", tmp / "src",
+                          ignore=shutil.ignore_patterns("build", "*.egg-info"))
+    site = tmp / "site"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index",
+         "--no-cache-dir", "--disable-pip-version-check", "--target", str(site), str(src)],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return site

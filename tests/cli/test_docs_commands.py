@@ -16,9 +16,6 @@ import contextlib
 import io
 import re
 import shlex
-import shutil
-import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from lifecycle.cli import COMMANDS, build_parser
-from tests.helpers import ROOT, run_cli
+from tests.helpers import ROOT, install_team_pack, run_cli
 
 DOCS = (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")))
 SHELL_FENCES = {"bash", "sh", "shell", "console"}
@@ -160,16 +157,8 @@ def test_every_command_line_parses() -> None:
 
 @pytest.fixture(scope="module")
 def pack_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """``pip install --no-deps --target`` of examples/team_pack (from a copy: the tree stays clean)."""
-    tmp = tmp_path_factory.mktemp("pack")
-    src = shutil.copytree(ROOT / "examples" / "team_pack", tmp / "src",
-                          ignore=shutil.ignore_patterns("build", "*.egg-info"))
-    site = tmp / "site"
-    proc = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index",
-         "--no-cache-dir", "--disable-pip-version-check", "--target", str(site), str(src)],
-        capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    """examples/team_pack installed into a folder of its own (see tests.helpers.install_team_pack)."""
+    site = install_team_pack(tmp_path_factory.mktemp("pack"))
     return site
 
 

@@ -7,14 +7,13 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, run_cli
+from tests.helpers import ROOT, install_team_pack, run_cli
 
 PACK_SRC = ROOT / "examples" / "team_pack"
 OLD_MSG = ("pack old (old-acme-pack 0.3.0): unusable pack (it ships preset/future.yaml, which this policy asks "
@@ -23,15 +22,8 @@ OLD_MSG = ("pack old (old-acme-pack 0.3.0): unusable pack (it ships preset/futur
 
 @pytest.fixture(scope="module")
 def pack_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """``pip install --no-deps --target`` of examples/team_pack (built from a copy: the tree stays clean)."""
-    tmp = tmp_path_factory.mktemp("pack")
-    src = shutil.copytree(PACK_SRC, tmp / "src", ignore=shutil.ignore_patterns("build", "*.egg-info"))
-    site = tmp / "site"
-    proc = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index",
-         "--no-cache-dir", "--disable-pip-version-check", "--target", str(site), str(src)],
-        capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    """examples/team_pack installed into a folder of its own (see tests.helpers.install_team_pack)."""
+    site = install_team_pack(tmp_path_factory.mktemp("pack"))
     assert (site / "acme_lifecycle_policies" / "preset" / "acme_moe_large.yaml").is_file()
     return site
 

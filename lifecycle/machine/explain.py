@@ -104,6 +104,7 @@ def explain(loaded: Loaded, world_size: int | None, rank: int) -> JsonDict:
     plan: Plan = build_plan(loaded.policy, view)
     out["plan"] = plan.as_dict()
     out["sources"] = {k: o.as_dict() for k, o in provenance(loaded).items()}
+    out["nccl_env"] = loaded.policy.distributed.effective_nccl_env()
     return out
 
 
@@ -114,6 +115,9 @@ def render(info: JsonDict) -> str:
         lines.append(f"about   {info['description']}")
     if info.get("sources"):
         lines += ["", *render_sources({k: Origin(**v) for k, v in info["sources"].items()})]
+    if info.get("nccl_env"):
+        lines += ["", "nccl env (every rank, before its first process group; NCCL reads it, gloo ignores it)",
+                  "  " + " ".join(f"{k}={v}" for k, v in info["nccl_env"].items())]
     if "layout" in info:
         lay = info["layout"]
         lines += ["", f"layout  world size {info['world_size']}, rank {info['rank']}: "

@@ -181,7 +181,11 @@ def build(run_dir: Path, launch: Any | None = None) -> dict[str, Any]:
         "resumed_from": exit0.get("resumed_from"),
         "stop_step": exit0.get("stop_step"),
         "last_step": exit0.get("step"),
-        "attempt": next((int(e["attempt"]) for e in rank0 if e["name"] == "attempt" and "attempt" in e), 1),
+        "attempt": int((_last(rank0, "attempt") or {}).get("attempt", 1)),  # the agreed one, when the ranks differed
+        "nccl_env": (_last(rank0, "nccl_env") or {}).get("env"),
+        "nccl_env_differs_on_ranks": sorted(r for r, evs in events.items()
+                                            if (_last(evs, "nccl_env") or {}).get("env")
+                                            != (_last(rank0, "nccl_env") or {}).get("env")) or None,
         "earlier_attempts": earlier_attempts(run_dir),
     }
     if launch is not None:

@@ -49,6 +49,25 @@ def nccl_env(ctx: RunContext) -> None:
     os.environ.setdefault(names["file"], prefix)
 
 
+def apply_nccl_env(ctx: RunContext, *, adopted: bool) -> dict[str, str]:
+    """``distributed.nccl_env`` and ``distributed.connect`` into this rank's environment, before its first process
+    group (the same values on every rank: they come from the policy whose hash the ranks compare); recorded as the
+    ``nccl_env`` event (what the environment holds afterwards). A value the environment already held otherwise is
+    replaced and said; a trainer's NCCL group that existed before ``attach`` keeps what it was created with."""
+    env = ctx.policy.distributed.effective_nccl_env()
+    replaced = {k: os.environ[k] for k, v in env.items() if k in os.environ and os.environ[k] != v}
+    os.environ.update(env)
+    if replaced and ctx.rank == 0:
+        log.info("the policy's NCCL settings replace the environment's: %s",
+                 ", ".join(f"{k}={env[k]} (was {v})" for k, v in sorted(replaced.items())))
+    if adopted and ctx.rank == 0:
+        log.warning("the trainer's NCCL process group existed before lifecycle.attach: distributed.nccl_env and "
+                    "distributed.connect apply to the communicators created from now on (set them before "
+                    "init_process_group to cover the default group too)")
+    ctx.events.instant("nccl_env", env={k: os.environ.get(k) for k in env})
+    return env
+
+
 class InitPhase:
     phase = "init"
 
@@ -89,6 +108,7 @@ class InitPhase:
 
         adopted = dist.is_initialized()  # the trainer's own group (lifecycle.attach): used as it is
         backend = str(dist.get_backend()) if adopted else pick_backend(ctx.policy.distributed.backend)
+        apply_nccl_env(ctx, adopted=adopted and backend == "nccl")
         kwargs: dict[str, object] = {}
         if backend == "nccl" and not adopted:
             nccl_env(ctx)

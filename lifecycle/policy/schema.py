@@ -340,6 +340,10 @@ def schema_paths() -> list[str]:
             if model is TrainConfig and name == "options":
                 for spec in registry.all_specs("train"):
                     out.extend(f"{prefix}options.{k}" for k in _aliases(spec.options))
+            elif model is DistributedConfig and name == "nccl_env":
+                from lifecycle.policy.nccl import KNOBS
+
+                out.extend(f"{prefix}nccl_env.{k}" for k in KNOBS)
             elif sub is not None:
                 walk(sub, f"{prefix}{name}.")
 
@@ -357,6 +361,8 @@ def is_schema_path(dotted: str) -> bool:
         if model is TrainConfig and part == "options" and i + 1 < len(parts):
             rest = parts[i + 1]
             return any(rest in _aliases(spec.options) for spec in registry.all_specs("train"))
+        if model is DistributedConfig and part == "nccl_env" and i + 1 < len(parts):
+            return len(parts) == i + 2  # a name in the mapping: the field checks it against the allow-list
         fields = _aliases(model)
         if part not in fields:
             return False

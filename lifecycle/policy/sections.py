@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, PositiveInt, field_validator, model_validator
+from pydantic import Field, PositiveInt, StrictBool, StrictInt, StrictStr, field_validator, model_validator
 
 from lifecycle.distributed.names import GROUP_NAMES, closest
 from lifecycle.policy.base import Flag, Seconds, Section
@@ -55,6 +55,44 @@ class DistributedConfig(Section):
     """NCCL Flight Recorder settings (ignored on gloo)."""
     memory_headroom_gib: float = Field(0.0, ge=0, allow_inf_nan=False)
     """NCCL only: fail fast at warmup when free GPU memory is below this (0 disables the check)."""
+    connect: Literal["eager", "lazy"] = "eager"
+    """NCCL: eager sets NCCL_RUNTIME_CONNECT=0, so every communicator connects all its channels while it is warmed
+    (their memory is taken at warmup, not at step 1); lazy (NCCL's default since 2.22) connects each algorithm's
+    channels at its first use."""
+    nccl_env: dict[str, StrictBool | StrictInt | StrictStr] = Field(default_factory=dict)
+    """NCCL and torch-NCCL settings set identically on every rank before the first process group, from an
+    allow-list (NCCL_BUFFSIZE, NCCL_MAX_NCHANNELS, NCCL_NVLS_ENABLE, NCCL_PROTO, NCCL_ALGO, TORCH_NCCL_* ...: see
+    lifecycle/policy/nccl.py); recorded in summary.json and shown by explain."""
+
+    @field_validator("nccl_env")
+    @classmethod
+    def _known_settings(cls, v: dict[str, object]) -> dict[str, object]:
+        from lifecycle.errors import PolicyError
+        from lifecycle.policy.nccl import check
+
+        issues = check(v)
+        if issues:
+            raise PolicyError(issues)
+        return v
+
+    @model_validator(mode="after")
+    def _connect_agrees(self) -> DistributedConfig:
+        from lifecycle.errors import PolicyError
+        from lifecycle.policy.nccl import as_env
+
+        explicit = self.nccl_env.get("NCCL_RUNTIME_CONNECT")
+        want = "0" if self.connect == "eager" else "1"
+        if explicit is not None and as_env(explicit) != want:
+            raise PolicyError.single("distributed.nccl_env.NCCL_RUNTIME_CONNECT",
+                                     f"contradicts distributed.connect={self.connect} (which sets it to {want}); "
+                                     f"drop it from nccl_env and choose distributed.connect", explicit)
+        return self
+
+    def effective_nccl_env(self) -> dict[str, str]:
+        """What every rank sets before its first process group (:func:`lifecycle.policy.nccl.effective`)."""
+        from lifecycle.policy.nccl import effective
+
+        return effective(dict(self.nccl_env), self.connect)
 
 
 class ParallelismConfig(Section):

@@ -1,4 +1,4 @@
-"""`lifecycle explain` lists exactly what runs: a real run's events, phase by phase, held against the plan each phase
+"""`lifecycle explain` lists exactly what runs (and the policy's NCCL environment reaches every rank): a real run's events, phase by phase, held against the plan each phase
 states (2 real gloo ranks of ``lifecycle run``, the synthetic kind, with barrier points, periodic saves and the
 sequence check).
 
@@ -9,6 +9,7 @@ and every action that runs unconditionally did run.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -51,8 +52,16 @@ def test_every_phase_runs_exactly_the_actions_its_plan_states(tmp_path: Path) ->
     run = lifecycle_run(tmp_path, 2, *SYNTHETIC, *FAST, "train.steps=4", "checkpoint.every_steps=2",
                         "+barriers.after_init=[{group: world}]", "+barriers.before_teardown=[{group: world}]",
                         "barriers.every_n_steps={n: 2, group: world}", "+barriers.after_checkpoint=[{group: dp}]",
-                        "warmup.ops=[barrier,all_reduce]")
+                        "warmup.ops=[barrier,all_reduce]", "+distributed.nccl_env.NCCL_BUFFSIZE=2097152",
+                        "+distributed.nccl_env.NCCL_PROTO='^LL128'")
     assert run.code == 0, run.output[-3000:]
+    # The policy's NCCL environment reached every rank before its first process group (read back from os.environ).
+    expected = {"NCCL_BUFFSIZE": "2097152", "NCCL_PROTO": "^LL128", "NCCL_RUNTIME_CONNECT": "0"}
+    for rank, events in run.events().items():
+        env = [e["env"] for e in events if e["name"] == "nccl_env"]
+        assert env == [expected], (rank, env)
+    summary = json.loads((run.run_dir / "summary.json").read_text())
+    assert summary["nccl_env"] == expected and summary["nccl_env_differs_on_ranks"] is None
     plan = build_plan(read_resolved(run.run_dir / "policy.resolved.yaml")).phases
     planned = {p: [a.span for a in actions if a.span] for p, actions in plan.items()}
     required = {p: [a.span for a in actions if a.span and not a.when] for p, actions in plan.items()}

@@ -162,7 +162,7 @@ def pipeline_neighbours(ranks: list[int], rank: int, *, interleaved: bool) -> tu
 
 
 def pipeline_p2p(pg: ProcessGroup, ranks: list[int], timeout_s: float, *, group_name: str,
-                 interleaved: bool = False) -> float:
+                 interleaved: bool = False, numel: int = 1) -> float:
     """Batched send/recv with this rank's real pipeline neighbours (previous and next stage, and the
     wrap-around link of the interleaved schedule), as Megatron's schedule sends activations
     (``batch_isend_irecv`` on the pp group): the communicators it will use exist before step 1.
@@ -171,11 +171,11 @@ def pipeline_p2p(pg: ProcessGroup, ranks: list[int], timeout_s: float, *, group_
     """
     rank = _member(ranks, "p2p", group_name)
     prev, nxt = pipeline_neighbours(ranks, rank, interleaved=interleaved)
-    return _exchange(pg, ranks, prev, nxt, timeout_s, group_name)
+    return _exchange(pg, ranks, prev, nxt, timeout_s, group_name, numel)
 
 
 def _exchange(pg: ProcessGroup, ranks: list[int], prev: int | None, nxt: int | None, timeout_s: float,
-              group_name: str) -> float:
+              group_name: str, numel: int = 1) -> float:
     """Send this rank's global rank to ``prev`` and ``nxt`` (either may be None) and receive theirs.
 
     A message to the next rank travels on tag 0, to the previous one on tag 1, so the two directions stay
@@ -186,8 +186,8 @@ def _exchange(pg: ProcessGroup, ranks: list[int], prev: int | None, nxt: int | N
     if not peers:
         return 0.0
     dev = _device(pg)
-    mine = torch.tensor([float(rank)], device=dev)
-    got = [torch.empty(1, device=dev) for _ in peers]
+    mine = torch.full((numel,), float(rank), device=dev)
+    got = [torch.empty(numel, device=dev) for _ in peers]
     ops = []
     for (peer, (send_tag, recv_tag)), buf in zip(peers, got, strict=True):
         ops += [dist.P2POp(dist.isend, mine, peer, group=pg, tag=send_tag),
@@ -195,10 +195,51 @@ def _exchange(pg: ProcessGroup, ranks: list[int], prev: int | None, nxt: int | N
     start = time.monotonic()
     works = dist.batch_isend_irecv(ops)
     took = wait_works(works, "p2p", group_name, ranks, timeout_s, start)
-    values = [int(t.item()) for t in got]
+    values = [int(t[0].item()) if bool((t == t[0]).all()) else -1 for t in got]
     expected = [peer for peer, _ in peers]
     _check(values == expected, "p2p", group_name, values, expected)
     return took
+
+
+def sized(op: str, nbytes: int, *, interleaved: bool = False) -> WarmupOp:
+    """``op`` with a message of ``nbytes`` (fp32 elements, at least one per peer) instead of one element: the
+    size the job will send on the group (:mod:`lifecycle.distributed.messages`), so NCCL connects the algorithm and
+    protocol that size takes. The payload is checked as the 1-element ops check theirs."""
+    numel = max(nbytes // 4, 1)
+
+    def run(pg: ProcessGroup, ranks: list[int], timeout_s: float, *, group_name: str) -> float:
+        rank = _member(ranks, op, group_name)
+        dev = _device(pg)
+        n = len(ranks)
+        if op == "p2p":
+            prev, nxt = pipeline_neighbours(ranks, rank, interleaved=interleaved)
+            return _exchange(pg, ranks, prev, nxt, timeout_s, group_name, numel)
+        start = time.monotonic()
+        if op == "all_reduce":
+            t = torch.ones(numel, device=dev)
+            took = wait_works([dist.all_reduce(t, group=pg, async_op=True)], op, group_name, ranks, timeout_s, start)
+            _check(bool((t == n).all()), op, group_name, t[:4].tolist(), n)
+        elif op == "all_gather":
+            mine = torch.full((numel,), float(rank), device=dev)
+            out = [torch.empty(numel, device=dev) for _ in ranks]
+            took = wait_works([dist.all_gather(out, mine, group=pg, async_op=True)], op, group_name, ranks,
+                              timeout_s, start)
+            got = [int(t[0].item()) if bool((t == t[0]).all()) else -1 for t in out]
+            _check(got == ranks, op, group_name, got, ranks)
+        elif op == "all_to_all":
+            per = max(numel // n, 1)
+            send = torch.full((per * n,), float(rank), device=dev)
+            recv = torch.empty(per * n, device=dev)
+            took = wait_works([dist.all_to_all_single(recv, send, group=pg, async_op=True)], op, group_name, ranks,
+                              timeout_s, start)
+            got = [int(v) for v in recv.view(n, per)[:, 0].tolist()]
+            _check(got == ranks and bool((recv.view(n, per) == recv.view(n, per)[:, :1]).all()), op, group_name,
+                   got, ranks)
+        else:
+            raise ValueError(f"no sized form of warmup op {op!r}")
+        return took
+
+    return run
 
 
 OPS: dict[str, WarmupOp] = {

@@ -28,6 +28,8 @@ class Action:
     ranks: tuple[int, ...] = ()
     event: str | None = ""
     when: str = ""
+    nbytes: int = 0
+    """The message size of a sized warmup op (``warmup.sizes: job``); 0 for the 1-element ops."""
 
     @property
     def span(self) -> str | None:

@@ -28,6 +28,21 @@ def requested_groups(policy: Policy) -> list[str]:
     return [n for n in GROUP_NAMES if n in wanted]
 
 
+def _job_actions(policy: Policy, targets: list[WarmTarget], deadline: float) -> dict[tuple[str, ...], list[Action]]:
+    """Per warmed communicator, the job's messages on any of its names, at their size (largest first per op)."""
+    from lifecycle.distributed.messages import job_messages
+
+    out: dict[tuple[str, ...], list[Action]] = {}
+    for t in targets:
+        seen: set[str] = set()
+        for m in sorted(job_messages(policy), key=lambda m: -m.nbytes):
+            if m.group in t.names and m.op not in seen and (m.op != "p2p" or "pp" in t.names):
+                seen.add(m.op)
+                out.setdefault(t.names, []).append(Action(f"warm:{m.op}", t.names[0], deadline, f"{m.nbytes} B: "
+                                                          f"{m.what}", t.names, t.ranks, nbytes=m.nbytes))
+    return out
+
+
 class ResolvedView:
     """The plan's GroupView over the groups this rank really has."""
 
@@ -57,6 +72,12 @@ def _op_for(ctx: RunContext, op: str, group: ResolvedGroup) -> WarmupOp:
     return pipeline
 
 
+def _sized(ctx: RunContext, op: str, nbytes: int) -> WarmupOp:
+    from lifecycle.distributed import collectives
+
+    return collectives.sized(op, nbytes, interleaved=(ctx.policy.parallelism.vpp or 1) > 1)
+
+
 def _free_memory() -> int | None:
     """Free accelerator memory in bytes (CUDA only), else None."""
     import torch
@@ -80,10 +101,17 @@ class WarmupPhase:
         dl = policy.warmup.deadline_s or policy.deadline("warmup")
         names = requested_groups(policy)
         targets = view.warm_targets(names) if view else [WarmTarget((n,)) for n in names]
-        ops = policy.warmup.ops
-        pairs = ([(t, op) for t in targets for op in ops] if policy.warmup.order == "group_major"
-                 else [(t, op) for op in ops for t in targets])
-        actions = [Action(f"warm:{op}", t.names[0], dl, names=t.names, ranks=t.ranks) for t, op in pairs]
+        ops = policy.warmup.ops if "tiny" in policy.warmup.sizes else []
+        sized = _job_actions(policy, targets, dl) if "job" in policy.warmup.sizes else {}
+
+        def tiny(t: WarmTarget, op: str) -> Action:
+            return Action(f"warm:{op}", t.names[0], dl, names=t.names, ranks=t.ranks)
+
+        if policy.warmup.order == "group_major":
+            actions = [a for t in targets for a in [*(tiny(t, op) for op in ops), *sized.get(t.names, [])]]
+        else:
+            actions = [*(tiny(t, op) for op in ops for t in targets), *(a for t in targets for a in sized.get(t.names,
+                                                                                                              []))]
         return [*actions, *barrier_actions(policy, "after_warmup", policy.deadline("warmup")),
                 *sequence_check(policy, "warmup -> train")]
 
@@ -108,17 +136,20 @@ class WarmupPhase:
                 continue
             op = action.op.split(":", 1)[1]
             group = by_name[action.names[0]]
-            timings[group.label] = timings.get(group.label, 0.0) + self._op(ctx, _op_for(ctx, op, group), op, group,
-                                                                            action.deadline_s or 0.0)
+            fn = _op_for(ctx, op, group) if not action.nbytes else _sized(ctx, op, action.nbytes)
+            timings[group.label] = timings.get(group.label, 0.0) + self._op(ctx, fn, op, group,
+                                                                            action.deadline_s or 0.0, action.nbytes)
         ctx.warmup_s = timings
         self._headroom(ctx)
 
-    def _op(self, ctx: RunContext, fn: WarmupOp, op: str, group: ResolvedGroup, deadline: float) -> float:
+    def _op(self, ctx: RunContext, fn: WarmupOp, op: str, group: ResolvedGroup, deadline: float,
+            nbytes: int = 0) -> float:
         if ctx.drills.fire("warmup", op=op, group=group.names[0]):
             return 0.0
         before = _free_memory()
         ranks = list(group.ranks) if group.size <= 256 else None  # keep events small at scale
-        with ctx.events.span(f"warm:{op}", group=group.label, size=group.size, ranks=ranks) as extra:
+        with ctx.events.span(f"warm:{op}", group=group.label, size=group.size, ranks=ranks,
+                             bytes=nbytes or None) as extra:
             seconds = fn(group.pg, list(group.ranks), deadline, group_name=group.label)
             after = _free_memory()
             if before is not None:

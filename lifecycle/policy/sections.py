@@ -16,6 +16,13 @@ def _ops(*ops: WarmupOp) -> list[WarmupOp]:
     return list(ops)
 
 
+WarmupSize = Literal["tiny", "job"]
+
+
+def _sizes(*sizes: WarmupSize) -> list[WarmupSize]:
+    return list(sizes)
+
+
 def check_group_name(name: str) -> str:
     """Validate a symbolic group name; the error suggests the closest valid one."""
     if name not in GROUP_NAMES:
@@ -137,6 +144,10 @@ class WarmupConfig(Section):
     """Groups that must exist in the layout; a missing one is an error instead of a skip."""
     deadline_s: Seconds | None = None
     """Deadline of each warmup op; null means watchdog.deadlines.warmup."""
+    sizes: list[WarmupSize] = Field(default_factory=lambda: _sizes("tiny", "job"), min_length=1)
+    """tiny: the ops above with one element; job: besides, each group gets the messages the job will send on it, at
+    their size (gradient bucket, parameter all-gather, token all-to-all, one activation), so every algorithm and
+    protocol path NCCL picks by size is connected before step 1."""
 
     @field_validator("groups")
     @classmethod

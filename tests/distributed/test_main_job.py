@@ -42,6 +42,20 @@ def test_default_job_trains_saves_and_exits_0(tmp_path: Path) -> None:
         loss = [e for e in events if e["name"] == "loss_all_reduce" and e["kind"] == "end"]
         assert [e["step"] for e in loss] == list(range(1, 21)), rank
         assert {(e["group"], tuple(e["ranks"])) for e in loss} == {("dp", (0, 1, 2, 3))}, (rank, loss[0])
+    # warmup.sizes [tiny, job] (the default): before step 1, the gradient bucket went over the dense data-parallel
+    # communicator and the expert gradients over expert-dp, the token all-to-all over ep, at the planned sizes
+    from lifecycle.distributed.messages import job_messages
+    from lifecycle.policy.load import read_resolved
+
+    planned = {(m.group, m.op): m.nbytes for m in job_messages(read_resolved(run.run_dir / "policy.resolved.yaml"))}
+    assert {("dp_cp", "all_reduce"), ("edp", "all_reduce"), ("ep", "all_to_all")} <= set(planned)
+    for rank, events in run.events().items():
+        first_step = next(e["t"] for e in events if e["name"] == "step")
+        sized = [e for e in events if e["name"].startswith("warm:") and e["kind"] == "begin" and e.get("bytes")]
+        got = {(g, e["name"].split(":")[1]): e["bytes"] for e in sized for g in e["group"].split("=")}
+        for (group, op), nbytes in planned.items():
+            assert got.get((group, op)) == nbytes, (rank, group, op, got)
+        assert all(e["t"] < first_step for e in sized), rank
 
 
 @pytest.mark.timeout(120)

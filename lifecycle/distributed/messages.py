@@ -1,0 +1,75 @@
+"""The messages a job will send on each group, by size: what ``warmup.sizes: [.., job]`` warms so that every
+algorithm and protocol path a communicator needs is connected before step 1 (NCCL picks them by message size).
+
+Pure Python, from the policy alone (``explain`` shows them; no model is built): per kind, the gradient bucket of the
+data-parallel reduction (all-reduce, and the parameter all-gather of the distributed optimizer), the expert
+gradients over expert-dp, one activation between pipeline stages and on the tensor-parallel all-reduce, the token
+dispatcher's all-to-all over ep. Sizes in bytes of fp32 (4 bytes an element: the CPU kinds' dtype, and megatron's
+``grad_reduce_in_fp32``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from lifecycle.policy.schema import Policy
+
+FP32 = 4
+BUCKET_FLOOR = 40_000_000
+"""megatron-core DDP's bucket size floor in elements (``max(40M, 1M x dp size)`` when buckets are used)."""
+
+
+@dataclass(frozen=True)
+class Message:
+    group: str
+    """The symbolic group the job sends it on."""
+    op: str
+    """all_reduce, all_gather, all_to_all or p2p."""
+    nbytes: int
+    what: str
+
+
+def job_messages(policy: Policy) -> list[Message]:
+    """The job's messages by group (largest per group and op), for the policy's train kind."""
+    kind, o = policy.train.kind, policy.train.options
+    if policy.train.steps == 0 or o is None:
+        return []
+    if kind == "synthetic":
+        h = int(getattr(o, "hidden", 32))
+        grads = h * h + h + h + 1  # Linear(h, h) + Linear(h, 1), one flat bucket
+        return [Message("dp", "all_reduce", grads * FP32, "gradient all-reduce (one bucket)")]
+    if kind != "megatron_gpt":
+        return []
+    return _megatron(policy)
+
+
+def _megatron(policy: Policy) -> list[Message]:
+    o, par = policy.train.options, policy.parallelism
+    h, ffn, layers = int(o.hidden), int(o.ffn_hidden), int(o.num_layers)
+    vocab, seq, mb = int(o.vocab), int(o.seq_len), int(o.micro_batch)
+    experts, topk = int(o.num_experts), int(o.topk)
+    tp, pp, ep, cp, etp = par.tp, par.pp, par.ep, par.cp, par.expert_tp
+    per_stage = max(layers // pp, 1)
+    # Dense parameters of one rank: embedding (first stage; the output layer shares it), attention (QKV + proj),
+    # layer norms, and the dense MLP when the model has no experts (+ the router when it has).
+    attention = 4 * h * h // tp + 4 * h
+    dense_mlp = 2 * h * ffn // tp + ffn // tp + h if experts == 0 else h * experts
+    dense = vocab * h // tp + per_stage * (attention + dense_mlp + 4 * h)
+    dp_size_floor = BUCKET_FLOOR  # one bucket unless the model is larger than megatron's bucket
+    bucket = min(dense, dp_size_floor)
+    out = [Message("dp_cp", "all_reduce", bucket * FP32, "dense gradient bucket (DDP)")]
+    if getattr(o, "use_distributed_optimizer", False):
+        out.append(Message("dp_cp", "all_gather", bucket * FP32, "updated parameters (distributed optimizer)"))
+    if experts:
+        local = max(experts // ep, 1) * per_stage * (2 * h * ffn // etp)
+        out.append(Message("edp", "all_reduce", min(local, dp_size_floor) * FP32, "expert gradient bucket"))
+        tokens = mb * seq // cp // tp if tp > 1 else mb * seq // cp
+        out.append(Message("ep", "all_to_all", max(tokens * topk * h * FP32, FP32 * ep), "token dispatch"))
+    activation = mb * (seq // cp) * h * FP32
+    if pp > 1:
+        out.append(Message("pp", "p2p", activation, "one activation between stages"))
+    if tp > 1:
+        out.append(Message("tp", "all_reduce", activation, "tensor-parallel activation all-reduce"))
+    return out

@@ -81,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"compute the group layout for this world size (1 to {MAX_WORLD_SIZE})")
     p.add_argument("--rank", "-r", type=_int_in(0, MAX_WORLD_SIZE - 1, ""), default=0,
                    help="rank whose groups are shown (default 0; needs --world-size)")
+    p.add_argument("--ranks-per-node", type=_int_in(1, 1 << 16, ""), default=8, metavar="N",
+                   help="ranks (GPUs) per node, for the communicator memory estimate (default 8)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     _policy_args(p)
     sub.add_parser("schema", help="JSON Schema of the policy (for editors)")
@@ -131,7 +133,7 @@ def _explain(args: argparse.Namespace) -> int:
     from lifecycle.policy.load import load
 
     loaded = load(args.overrides, config_dir=args.config_dir, config_name=args.config_name)
-    info = explain(loaded, args.world_size, args.rank)
+    info = explain(loaded, args.world_size, args.rank, args.ranks_per_node)
     print(json.dumps(info, indent=1) if args.json else render(info))
     return ExitCode.OK
 

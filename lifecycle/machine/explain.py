@@ -91,7 +91,20 @@ def check_ranks(world_size: int | None, rank: int) -> None:
         raise PolicyError.single("--rank", f"must be in [0, {world_size}): ranks count from 0", rank)
 
 
-def explain(loaded: Loaded, world_size: int | None, rank: int) -> JsonDict:
+def comm_memory(loaded: Loaded, layout: Layout, rank: int, ranks_per_node: int) -> JsonDict:
+    """The estimated device memory of this rank's NCCL communicators (:mod:`lifecycle.distributed.comm_memory`),
+    for the groups warmup creates (``warmup.groups``; the default group always)."""
+    from lifecycle.distributed.comm_memory import Settings, estimate
+    from lifecycle.phases.warmup import requested_groups
+
+    policy = loaded.policy
+    groups = {n: g for n in GROUP_NAMES if (g := layout.group_of(n, rank)) is not None}
+    warmed = requested_groups(policy) if policy.warmup.enabled else []
+    bill = estimate(groups, rank, ranks_per_node, Settings.of(policy.distributed.effective_nccl_env()), warmed)
+    return {"backend": "nccl", **bill.as_dict()}
+
+
+def explain(loaded: Loaded, world_size: int | None, rank: int, ranks_per_node: int = 8) -> JsonDict:
     """Everything `explain` prints, as data (the --json output)."""
     check_ranks(world_size, rank)
     out: JsonDict = {"source": loaded.source, "sha256": sha256(loaded.policy),
@@ -100,7 +113,8 @@ def explain(loaded: Loaded, world_size: int | None, rank: int) -> JsonDict:
     if world_size is not None:
         layout = _layout(loaded, world_size)
         view = LayoutView(layout, rank)
-        out.update(world_size=world_size, rank=rank, layout=group_summary(layout, rank))
+        out.update(world_size=world_size, rank=rank, layout=group_summary(layout, rank),
+                   comm_memory=comm_memory(loaded, layout, rank, ranks_per_node))
     plan: Plan = build_plan(loaded.policy, view)
     out["plan"] = plan.as_dict()
     out["sources"] = {k: o.as_dict() for k, o in provenance(loaded).items()}
@@ -132,6 +146,16 @@ def render(info: JsonDict) -> str:
                 lines.append(f"  {name:<15} [{large[name]['ranks']}] ({large[name]['size']} ranks)")
         if lay["absent"]:
             lines.append(f"  not in this layout: {', '.join(lay['absent'])}")
+    if "comm_memory" in info:
+        cm = info["comm_memory"]
+        lines += ["", f"communicators (NCCL estimate, rank {cm['rank']}, {cm['ranks_per_node']} ranks per node): "
+                      f"{cm['total_gib']:.2f} GiB in {len(cm['communicators'])} communicators"]
+        for c in sorted(cm["communicators"], key=lambda c: -c["bytes"])[:8]:
+            where = "intra-node" if c["intra_node"] else "inter-node"
+            lines.append(f"  {c['group']:<15} {c['size']:>6} ranks  {where:<10}  {c['bytes'] / 2**20:9.0f} MiB")
+        for d in cm["identical_rank_sets"]:
+            lines.append(f"  same ranks, separate communicators: {', '.join(d['groups'])} ({d['size']} ranks): "
+                         f"{d['bytes'] / 2**20:.0f} MiB more than one would cost")
     for phase, actions in info["plan"].items():
         lines += ["", f"{phase}" + ("  (nothing to do)" if not actions else "")]
         for i, a in enumerate(actions, 1):

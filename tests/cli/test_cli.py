@@ -113,3 +113,16 @@ def test_resume_required_without_a_checkpoint_is_refused_before_any_rank_starts(
     proc = run_cli("run", f"run.dir={tmp_path / 'run'}", "checkpoint.resume=required", timeout=50)
     assert proc.returncode == 2 and "checkpoint.resume: is required but" in proc.stderr, proc.stderr
     assert not (tmp_path / "run" / "events").exists()  # no rank started
+
+
+def test_explain_prints_the_communicator_bill_and_its_json() -> None:
+    proc = run_cli("explain", "-w", "16", "--ranks-per-node", "4", "preset=moe", "parallelism.ep=4",
+                   "+distributed.nccl_env.NCCL_BUFFSIZE=2097152")
+    assert proc.returncode == 0, proc.stderr
+    assert "communicators (NCCL estimate, rank 0, 4 ranks per node)" in proc.stdout
+    assert "same ranks, separate communicators: world, dp, dp_cp, tp_dp, tp_dp_cp, intra_dist_opt" in proc.stdout
+    info = json.loads(run_cli("explain", "-w", "16", "--json", "preset=moe", "parallelism.ep=4").stdout)
+    smaller = json.loads(run_cli("explain", "-w", "16", "--json", "preset=moe", "parallelism.ep=4",
+                                 "+distributed.nccl_env.NCCL_BUFFSIZE=2097152").stdout)
+    assert smaller["comm_memory"]["total_bytes"] < info["comm_memory"]["total_bytes"]
+    assert info["nccl_env"] == {"NCCL_RUNTIME_CONNECT": "0"}

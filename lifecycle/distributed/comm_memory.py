@@ -1,0 +1,114 @@
+"""What the communicators of one rank will cost, estimated before launch from the policy and the layout alone.
+
+The model (per NCCL communicator of ``n`` ranks; gloo twins cost no device memory and are listed apart)::
+
+    bytes = channels x peers x sum(buffer of each enabled protocol)  [+ NVLS buffers when NCCL_NVLS_ENABLE=1]
+    peers = 2 for the ring (one send, one receive connection) + 2 for the tree (parent, child) when n > 2
+            (with distributed.connect=lazy only the ring is counted: the tree connects at first use)
+    buffers per connection and channel: Simple = NCCL_BUFFSIZE (4 MiB), LL = 512 KiB, LL128 = 4,915,200 B
+            (NCCL's DEFAULT_BUFFSIZE, DEFAULT_LL_BUFFSIZE = 8 lines x 512 threads x 8 steps x 16 B, and
+            DEFAULT_LL128_BUFFSIZE = 120 elements x 640 threads x 8 steps x 8 B); NCCL_PROTO removes protocols
+    channels = NCCL_MAX_NCHANNELS when set, else 16 inside a node and 8 across nodes (typical of NVLink and
+            InfiniBand systems; NCCL decides from the topology at init)
+    NVLS (only when NCCL_NVLS_ENABLE=1, a group inside one node of more than 2 ranks): 2 x channels x NCCL_BUFFSIZE
+
+Checked against published figures (order of magnitude): 544 MB for a 2-rank communicator on A100 at NCCL's defaults
+(NCCL issue #964) — this model gives 294 MiB. PyTorch creates one communicator per group object even when two groups
+hold the same ranks, so every such duplicate is paid again: :func:`estimate` names them and what they cost.
+Pure Python: ``lifecycle explain`` prints it without torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from lifecycle.distributed.names import GROUP_NAMES
+from lifecycle.jsontypes import JsonDict
+
+if TYPE_CHECKING:
+    from lifecycle.distributed.layout import RankSet
+
+MIB = 1 << 20
+SIMPLE = 4 * MIB
+LL = 512 * 1024
+LL128 = 4_915_200
+CHANNELS_INTRA = 16
+CHANNELS_INTER = 8
+GLOO_TWINS = ("dp_gloo", "dp_cp_gloo", "edp_gloo")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The NCCL settings the estimate depends on (from ``distributed.effective_nccl_env()``)."""
+
+    buffsize: int = SIMPLE
+    max_channels: int | None = None
+    protocols: tuple[str, ...] = ("LL", "LL128", "Simple")
+    nvls: bool = False
+    eager: bool = True
+
+    @staticmethod
+    def of(env: dict[str, str]) -> Settings:
+        protos: tuple[str, ...] = ("LL", "LL128", "Simple")
+        spec = env.get("NCCL_PROTO")
+        if spec:
+            named = tuple(p.strip() for p in spec.lstrip("^").split(","))
+            protos = tuple(p for p in protos if p not in named) if spec.startswith("^") else named
+        return Settings(buffsize=int(env.get("NCCL_BUFFSIZE", SIMPLE)),
+                        max_channels=int(env["NCCL_MAX_NCHANNELS"]) if "NCCL_MAX_NCHANNELS" in env else None,
+                        protocols=protos, nvls=env.get("NCCL_NVLS_ENABLE") == "1",
+                        eager=env.get("NCCL_RUNTIME_CONNECT", "0") == "0")
+
+
+def communicator_bytes(n: int, *, intra_node: bool, settings: Settings) -> int:
+    """The estimated device memory of one NCCL communicator of ``n`` ranks (0 for a communicator of one)."""
+    if n <= 1:
+        return 0
+    channels = settings.max_channels or (CHANNELS_INTRA if intra_node else CHANNELS_INTER)
+    per_connection = sum({"Simple": settings.buffsize, "LL": LL, "LL128": LL128}[p] for p in settings.protocols)
+    peers = 2 + (2 if n > 2 and settings.eager else 0)
+    nvls = 2 * channels * settings.buffsize if settings.nvls and intra_node and n > 2 else 0
+    return channels * peers * per_connection + nvls
+
+
+@dataclass
+class Bill:
+    """One rank's communicators: name(s), ranks, whether inside one node, and the estimated bytes."""
+
+    rank: int
+    ranks_per_node: int
+    communicators: list[JsonDict] = field(default_factory=list)
+    duplicates: list[JsonDict] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return sum(int(c["bytes"]) for c in self.communicators)
+
+    def as_dict(self) -> JsonDict:
+        wasted = sum(int(d["bytes"]) for d in self.duplicates)
+        return {"rank": self.rank, "ranks_per_node": self.ranks_per_node, "total_bytes": self.total,
+                "total_gib": round(self.total / 2**30, 3), "communicators": self.communicators,
+                "identical_rank_sets": self.duplicates, "duplicate_bytes": wasted}
+
+
+def estimate(groups: dict[str, RankSet], rank: int, ranks_per_node: int, settings: Settings,
+             warmed: list[str] | None = None) -> Bill:
+    """The bill of ``rank`` for its groups (name -> ranks; the default group as ``world``). ``warmed``: the group
+    names the run creates a communicator for (warmup.groups); None: every group. O(groups), whatever the world."""
+    bill = Bill(rank, ranks_per_node)
+    by_ranks: dict[RankSet, list[str]] = {}
+    for name in GROUP_NAMES:
+        ranks = groups.get(name)
+        if ranks is None or name in GLOO_TWINS or (warmed is not None and name not in warmed and name != "world"):
+            continue
+        intra = ranks.base // ranks_per_node == ranks.last // ranks_per_node  # ascending: first and last decide
+        nbytes = communicator_bytes(ranks.size, intra_node=intra, settings=settings)
+        bill.communicators.append({"group": name, "size": ranks.size, "intra_node": intra, "bytes": nbytes})
+        by_ranks.setdefault(ranks, []).append(name)
+    cost = {c["group"]: c["bytes"] for c in bill.communicators}
+    for ranks, names in by_ranks.items():
+        if len(names) > 1 and ranks.size > 1:
+            bill.duplicates.append({"groups": names, "size": ranks.size,
+                                    "bytes": sum(int(cost[n]) for n in names[1:])})
+    return bill

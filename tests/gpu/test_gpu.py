@@ -33,8 +33,17 @@ def test_nccl_eager_init_warmup_and_training_on_cuda(tmp_path: Path) -> None:
     events = _events(run.run_dir)
     init = next(e for e in events if e["name"] == "init_process_group" and e["kind"] == "begin")
     assert init["backend"] == "nccl"
-    warm = {e["name"] for e in events if e["name"].startswith("warm:") and e["kind"] == "end"}
+    warm = {e["name"] for e in events if e["name"].startswith("warm:") and e["kind"] == "end" and not e.get("bytes")}
     assert warm == {"warm:barrier", "warm:all_reduce", "warm:all_gather"}, warm
+    # warmup.sizes [tiny, job]: the job's messages at their size, on CUDA tensors over NCCL, before step 1
+    from lifecycle.distributed.messages import job_messages
+    from lifecycle.policy.load import read_resolved
+
+    planned = {(m.op, m.nbytes) for m in job_messages(read_resolved(run.run_dir / "policy.resolved.yaml"))}
+    sized = {(e["name"].split(":")[1], e["bytes"]) for e in events
+             if e["name"].startswith("warm:") and e["kind"] == "begin" and e.get("bytes")}
+    assert planned and planned <= sized, (planned, sized)
+    assert [e["env"] for e in events if e["name"] == "nccl_env"] == [{"NCCL_RUNTIME_CONNECT": "0"}]
     assert all(e.get("outcome") == "ok" for e in events if e["name"].startswith("warm:") and e["kind"] == "end")
     free = [e for e in events if e["name"].startswith("warm:") and e["kind"] == "end" and "mem_free_before" in e]
     assert free and all(e["mem_free_before"] > 0 for e in free)  # measured on the GPU around each op

@@ -10,8 +10,12 @@ import errno
 import os
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lifecycle.errors import CheckpointError, PolicyError, PolicyIssue, UsageError
+
+if TYPE_CHECKING:
+    from lifecycle.policy.schema import Policy
 
 _SYSTEM = (Path("/proc"), Path("/sys"), Path("/dev"))
 _SYSTEM_ROOTS = frozenset(Path(p) for p in ("/", "/bin", "/boot", "/etc", "/lib", "/lib64", "/opt", "/root", "/sbin",
@@ -188,6 +192,44 @@ def check_rendezvous_env(env: dict[str, str] | os._Environ[str] | None = None) -
     if not port.isdigit() or not 1 <= int(port) <= 65535:
         raise UsageError(f"MASTER_PORT={port[:40]!r} is not a port number (1-65535); check the launcher's "
                          f"--master-port / rendezvous settings")
+
+
+def check_comm_budget(policy: Policy, world_size: int, ranks_per_node: int) -> None:
+    """``distributed.comm_memory_budget_gib``: every rank's estimated NCCL communicator memory within the budget, or
+    a PolicyError (exit 2) naming the rank, the estimate, its largest groups and what shrinks them. At most 4096 ranks
+    are estimated (evenly spread, the last included): the bills of a Megatron layout repeat across its replicas."""
+    budget = policy.distributed.comm_memory_budget_gib
+    if budget is None:
+        return
+    from lifecycle.distributed.comm_memory import Settings, estimate
+    from lifecycle.distributed.layout import build_layout
+    from lifecycle.distributed.names import GROUP_NAMES
+    from lifecycle.phases.warmup import requested_groups
+
+    par = policy.parallelism
+    layout = build_layout(world_size, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep, etp=par.etp,
+                          dist_opt_instances=par.dist_opt_instances, order=par.order)
+    settings = Settings.of(policy.distributed.effective_nccl_env())
+    warmed = requested_groups(policy) if policy.warmup.enabled else []
+    step = max(world_size // 4096, 1)
+    worst = None
+    for rank in sorted({*range(0, world_size, step), world_size - 1}):
+        groups = {n: g for n in GROUP_NAMES if (g := layout.group_of(n, rank)) is not None}
+        bill = estimate(groups, rank, ranks_per_node, settings, warmed)
+        if worst is None or bill.total > worst.total:
+            worst = bill
+    if worst is None or worst.total <= budget * 2**30:
+        return
+    top = sorted(worst.communicators, key=lambda c: -c["bytes"])[:3]
+    shown = ", ".join(f"{c['group']} ({c['size']} ranks) {c['bytes'] / 2**20:.0f} MiB" for c in top)
+    dup = sum(int(d["bytes"]) for d in worst.duplicates)
+    raise PolicyError.single(
+        "distributed.comm_memory_budget_gib",
+        f"rank {worst.rank}'s NCCL communicators would take {worst.total / 2**30:.2f} GiB by the estimate "
+        f"(`lifecycle explain --world-size {world_size} --rank {worst.rank}`), over the budget; largest: {shown}"
+        + (f"; {dup / 2**20:.0f} MiB of it for groups that repeat another's ranks" if dup else "")
+        + "; shrink with distributed.nccl_env (NCCL_BUFFSIZE, NCCL_MAX_NCHANNELS, NCCL_PROTO), fewer "
+          "warmup.groups, or raise the budget", budget)
 
 
 def check_resume(checkpoint_dir: str, resume: str, on_corrupt: str) -> None:

@@ -49,9 +49,10 @@ def run(overrides: Sequence[str], *, nproc: int = 4, config_dir: str | None = No
     return launch(loaded.policy, nproc, overrides=overrides)
 
 
-def preflight(policy: Policy, world_size: int) -> None:
-    """What the world size and the checkpoint folder decide before any rank starts (PolicyError/UsageError:
-    exit 2); the run's folders are checked by :func:`own_run_dir`."""
+def preflight(policy: Policy, world_size: int, ranks_per_node: int | None = None) -> None:
+    """What the world size, the communicator budget and the checkpoint folder decide before any rank starts
+    (PolicyError/UsageError: exit 2); the run's folders are checked by :func:`own_run_dir`. ``ranks_per_node``:
+    the local launcher's ranks; else torchrun's ``LOCAL_WORLD_SIZE``, else 8."""
     from lifecycle.launch import preflight as checks
     from lifecycle.policy.checks import world_issues
 
@@ -60,6 +61,9 @@ def preflight(policy: Policy, world_size: int) -> None:
         issues = _layout_issues(policy, world_size)
     if issues:
         raise PolicyError(issues, source=f"world size {world_size}")
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    per_node = ranks_per_node or (int(local) if local.isdigit() and int(local) > 0 else min(world_size, 8))
+    checks.check_comm_budget(policy, world_size, per_node)
     ck = policy.checkpoint  # the folders themselves were checked when the run directory was taken (own_run_dir)
     checks.check_resume(ck.dir, ck.resume, ck.on_corrupt)
 
@@ -132,7 +136,7 @@ def _launch(policy: Policy, nproc: int, run_dir: Path, overrides: Sequence[str])
     if rundir.holds_run(run_dir) and policy.checkpoint.resume == "never":
         raise UsageError(f"run directory {run_dir} already holds a run and checkpoint.resume=never; pick another "
                          f"run.name/run.id, remove it, or set checkpoint.resume=auto to continue it")
-    preflight(policy, nproc)
+    preflight(policy, nproc, ranks_per_node=nproc)
     attempt = rundir.archive_attempt(run_dir)
     checks.mark_owner(run_dir)
     write_resolved(policy, run_dir)

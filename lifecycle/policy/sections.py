@@ -62,6 +62,11 @@ class DistributedConfig(Section):
     """NCCL Flight Recorder settings (ignored on gloo)."""
     memory_headroom_gib: float = Field(0.0, ge=0, allow_inf_nan=False)
     """NCCL only: fail fast at warmup when free GPU memory is below this (0 disables the check)."""
+    comm_memory_budget_gib: float | None = Field(None, gt=0, allow_inf_nan=False)
+    """The most device memory one rank's NCCL communicators may take, by the estimate `lifecycle explain` prints
+    (comm_memory): `lifecycle run` refuses before launch (exit 2) when a rank's estimate exceeds it, naming the largest
+    groups and the settings that shrink them; checked whatever the backend, so a CPU rehearsal refuses what the GPU
+    job would. null: no budget."""
     connect: Literal["eager", "lazy"] = "eager"
     """NCCL: eager sets NCCL_RUNTIME_CONNECT=0, so every communicator connects all its channels while it is warmed
     (their memory is taken at warmup, not at step 1); lazy (NCCL's default since 2.22) connects each algorithm's

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import jsonschema
 import pytest
@@ -126,3 +127,20 @@ def test_explain_prints_the_communicator_bill_and_its_json() -> None:
                                  "+distributed.nccl_env.NCCL_BUFFSIZE=2097152").stdout)
     assert smaller["comm_memory"]["total_bytes"] < info["comm_memory"]["total_bytes"]
     assert info["nccl_env"] == {"NCCL_RUNTIME_CONNECT": "0"}
+
+
+def test_a_communicator_budget_below_the_estimate_stops_the_run_before_any_rank_starts(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = run_cli("run", "--nproc", "4", f"run.dir={run_dir}", "distributed.comm_memory_budget_gib=0.5")
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "distributed.comm_memory_budget_gib: rank 0's NCCL communicators would take" in proc.stderr
+    assert "over the budget; largest: " in proc.stderr and "NCCL_BUFFSIZE" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (run_dir / "events").exists()  # no rank started
+    # Smaller buffers and channels bring the same job under the same budget (validated, not run here).
+    from lifecycle.launch.preflight import check_comm_budget
+    from lifecycle.policy.load import validate
+
+    small = validate({"distributed": {"comm_memory_budget_gib": 0.5,
+                                      "nccl_env": {"NCCL_BUFFSIZE": 1 << 20, "NCCL_MAX_NCHANNELS": 2}},
+                      "parallelism": {"ep": 2}})
+    check_comm_budget(small, 4, 4)

@@ -50,12 +50,23 @@ def test_init_runs_the_after_init_barrier_on_the_store(make_ctx: MakeCtx) -> Non
 
 def test_warmup_issues_every_op_on_every_group_once(make_ctx: MakeCtx) -> None:
     ops = ["barrier", "all_reduce", "all_gather", "all_to_all", "p2p"]
-    ctx = _init(make_ctx({"warmup": {"ops": ops}}))
+    ctx = _init(make_ctx({"warmup": {"ops": ops, "sizes": ["tiny"]}}))
     WarmupPhase().run(ctx)
     assert [g.label for g in ctx.groups] == ["world=dp"]  # one communicator, every name it answers to
     assert ctx.op_counts["world=dp"] == len(ops)
     assert [n for n in names(ctx) if n.startswith("warm:")] == [f"warm:{op}" for op in ops]
     assert set(ctx.warmup_s) == {"world=dp"} and ctx.warmup_s["world=dp"] >= 0
+
+
+def test_warmup_sends_the_job_sized_messages_after_the_tiny_ops(make_ctx: MakeCtx) -> None:
+    ctx = _init(make_ctx({"warmup": {"ops": ["barrier", "all_reduce"]}}))  # sizes [tiny, job]: the default
+    WarmupPhase().run(ctx)
+    ctx.events.flush()
+    warm = [e for e in read_events(ctx.run_dir)[0] if e["name"].startswith("warm:") and e["kind"] == "begin"]
+    hidden = ctx.policy.train.options.hidden
+    assert [(e["name"], e.get("bytes")) for e in warm] == [
+        ("warm:barrier", None), ("warm:all_reduce", None), ("warm:all_reduce", (hidden * hidden + 2 * hidden + 1) * 4)]
+    assert ctx.op_counts["world=dp"] == 3
 
 
 def test_warmup_fails_on_a_required_group_the_layout_lacks(make_ctx: MakeCtx) -> None:

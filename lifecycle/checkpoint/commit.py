@@ -70,7 +70,7 @@ def _all_ranks(ctx: RunContext) -> list[int]:
     return list(range(ctx.world_size))
 
 
-def _handler(ctx: RunContext) -> StepHandler:
+def step_handler(ctx: RunContext) -> StepHandler:
     if ctx.step_handler is None:
         raise PhaseError("no step handler: checkpoints need train.steps > 0", phase="checkpoint", rank=ctx.rank)
     return ctx.step_handler
@@ -104,7 +104,7 @@ def save(ctx: RunContext, reason: str) -> None:
     with progress.activity(ctx.rank, f"checkpoint step {ctx.step} ({reason})"):
         t0 = time.monotonic()
         with ctx.events.span("save", step=ctx.step, reason=reason, path=str(final)) as extra:
-            handle = _handler(ctx).begin_save(ctx, tmp)
+            handle = step_handler(ctx).begin_save(ctx, tmp)
             extra["host_copy"] = getattr(handle, "host_copy", None)
         ctx.observe("checkpoint", time.monotonic() - t0)
         ctx.pending_save = PendingSave(handle, ctx.step, tmp, final, reason)

@@ -13,19 +13,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lifecycle.checkpoint import ckptdir
-from lifecycle.errors import CheckpointError, PhaseError, Shutdown
+from lifecycle.checkpoint.commit import step_handler
+from lifecycle.errors import CheckpointError, Shutdown
 
 if TYPE_CHECKING:
     from lifecycle.context import RunContext
-    from lifecycle.handlers.protocols import StepHandler
 
 log = logging.getLogger(__name__)
-
-
-def _handler(ctx: RunContext) -> StepHandler:
-    if ctx.step_handler is None:
-        raise PhaseError("no step handler: checkpoints need train.steps > 0", phase="checkpoint", rank=ctx.rank)
-    return ctx.step_handler
 
 
 def _is_interrupt(exc: BaseException) -> bool:
@@ -37,7 +31,7 @@ def _try_load(ctx: RunContext, path: Path) -> str | None:
     BaseException: everything but an interrupt is a load failure here."""
     try:
         with ctx.events.span("resume", path=str(path)):
-            ctx.step = int(_handler(ctx).load(ctx, path))
+            ctx.step = int(step_handler(ctx).load(ctx, path))
     except BaseException as exc:  # noqa: BLE001 - see the docstring
         if _is_interrupt(exc):
             raise

@@ -27,7 +27,7 @@ from lifecycle.distributed.names import GROUP_NAMES
 from lifecycle.jsontypes import JsonDict
 
 if TYPE_CHECKING:
-    from lifecycle.distributed.layout import RankSet
+    from lifecycle.distributed.layout import Layout, RankSet
 
 MIB = 1 << 20
 SIMPLE = 4 * MIB
@@ -112,3 +112,9 @@ def estimate(groups: dict[str, RankSet], rank: int, ranks_per_node: int, setting
             bill.duplicates.append({"groups": names, "size": ranks.size,
                                     "bytes": sum(int(cost[n]) for n in names[1:])})
     return bill
+
+
+def rank_bill(layout: Layout, rank: int, ranks_per_node: int, settings: Settings, warmed: list[str] | None) -> Bill:
+    """:func:`estimate` for ``rank``'s groups in ``layout``."""
+    groups = {n: g for n in GROUP_NAMES if (g := layout.group_of(n, rank)) is not None}
+    return estimate(groups, rank, ranks_per_node, settings, warmed)

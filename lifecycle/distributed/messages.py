@@ -18,7 +18,8 @@ if TYPE_CHECKING:
 
 FP32 = 4
 BUCKET_FLOOR = 40_000_000
-"""megatron-core DDP's bucket size floor in elements (``max(40M, 1M x dp size)`` when buckets are used)."""
+"""megatron-core DDP's bucket size floor in elements (``max(40M, 1M x dp size)`` when buckets are used): the
+estimate takes the floor."""
 
 
 @dataclass(frozen=True)
@@ -57,15 +58,14 @@ def _megatron(policy: Policy) -> list[Message]:
     attention = 4 * h * h // tp + 4 * h
     dense_mlp = 2 * h * ffn // tp + ffn // tp + h if experts == 0 else h * experts
     dense = vocab * h // tp + per_stage * (attention + dense_mlp + 4 * h)
-    dp_size_floor = BUCKET_FLOOR  # one bucket unless the model is larger than megatron's bucket
-    bucket = min(dense, dp_size_floor)
+    bucket = min(dense, BUCKET_FLOOR)  # one bucket unless the model is larger than megatron's bucket
     out = [Message("dp_cp", "all_reduce", bucket * FP32, "dense gradient bucket (DDP)")]
     if getattr(o, "use_distributed_optimizer", False):
         out.append(Message("dp_cp", "all_gather", bucket * FP32, "updated parameters (distributed optimizer)"))
     if experts:
         local = max(experts // ep, 1) * per_stage * (2 * h * ffn // etp)
-        out.append(Message("edp", "all_reduce", min(local, dp_size_floor) * FP32, "expert gradient bucket"))
-        tokens = mb * seq // cp // tp if tp > 1 else mb * seq // cp
+        out.append(Message("edp", "all_reduce", min(local, BUCKET_FLOOR) * FP32, "expert gradient bucket"))
+        tokens = mb * seq // cp // tp
         out.append(Message("ep", "all_to_all", max(tokens * topk * h * FP32, FP32 * ep), "token dispatch"))
     activation = mb * (seq // cp) * h * FP32
     if pp > 1:

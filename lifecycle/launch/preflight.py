@@ -201,9 +201,8 @@ def check_comm_budget(policy: Policy, world_size: int, ranks_per_node: int) -> N
     budget = policy.distributed.comm_memory_budget_gib
     if budget is None:
         return
-    from lifecycle.distributed.comm_memory import Settings, estimate
+    from lifecycle.distributed.comm_memory import Settings, rank_bill
     from lifecycle.distributed.layout import build_layout
-    from lifecycle.distributed.names import GROUP_NAMES
     from lifecycle.phases.warmup import requested_groups
 
     par = policy.parallelism
@@ -214,8 +213,7 @@ def check_comm_budget(policy: Policy, world_size: int, ranks_per_node: int) -> N
     step = max(world_size // 4096, 1)
     worst = None
     for rank in sorted({*range(0, world_size, step), world_size - 1}):
-        groups = {n: g for n in GROUP_NAMES if (g := layout.group_of(n, rank)) is not None}
-        bill = estimate(groups, rank, ranks_per_node, settings, warmed)
+        bill = rank_bill(layout, rank, ranks_per_node, settings, warmed)
         if worst is None or bill.total > worst.total:
             worst = bill
     if worst is None or worst.total <= budget * 2**30:

@@ -94,13 +94,12 @@ def check_ranks(world_size: int | None, rank: int) -> None:
 def comm_memory(loaded: Loaded, layout: Layout, rank: int, ranks_per_node: int) -> JsonDict:
     """The estimated device memory of this rank's NCCL communicators (:mod:`lifecycle.distributed.comm_memory`),
     for the groups warmup creates (``warmup.groups``; the default group always)."""
-    from lifecycle.distributed.comm_memory import Settings, estimate
+    from lifecycle.distributed.comm_memory import Settings, rank_bill
     from lifecycle.phases.warmup import requested_groups
 
     policy = loaded.policy
-    groups = {n: g for n in GROUP_NAMES if (g := layout.group_of(n, rank)) is not None}
     warmed = requested_groups(policy) if policy.warmup.enabled else []
-    bill = estimate(groups, rank, ranks_per_node, Settings.of(policy.distributed.effective_nccl_env()), warmed)
+    bill = rank_bill(layout, rank, ranks_per_node, Settings.of(policy.distributed.effective_nccl_env()), warmed)
     return {"backend": "nccl", **bill.as_dict()}
 
 

@@ -20,6 +20,7 @@ Pure Python: ``lifecycle explain`` prints it without torch.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -27,7 +28,9 @@ from lifecycle.distributed.names import GROUP_NAMES
 from lifecycle.jsontypes import JsonDict
 
 if TYPE_CHECKING:
+    from lifecycle.distributed.groups import ResolvedGroup
     from lifecycle.distributed.layout import Layout, RankSet
+    from lifecycle.policy.schema import Policy
 
 MIB = 1 << 20
 SIMPLE = 4 * MIB
@@ -78,6 +81,7 @@ class Bill:
 
     rank: int
     ranks_per_node: int
+    backend: str = "nccl"
     communicators: list[JsonDict] = field(default_factory=list)
     duplicates: list[JsonDict] = field(default_factory=list)
 
@@ -87,23 +91,28 @@ class Bill:
 
     def as_dict(self) -> JsonDict:
         wasted = sum(int(d["bytes"]) for d in self.duplicates)
-        return {"rank": self.rank, "ranks_per_node": self.ranks_per_node, "total_bytes": self.total,
+        return {"backend": self.backend, "rank": self.rank, "ranks_per_node": self.ranks_per_node, "total_bytes": self.total,
                 "total_gib": round(self.total / 2**30, 3), "communicators": self.communicators,
                 "identical_rank_sets": self.duplicates, "duplicate_bytes": wasted}
 
 
 def estimate(groups: dict[str, RankSet], rank: int, ranks_per_node: int, settings: Settings,
-             warmed: list[str] | None = None) -> Bill:
+             warmed: list[str] | None = None, *, backend: str = "nccl",
+             messages: dict[str, int] | None = None) -> Bill:
     """The bill of ``rank`` for its groups (name -> ranks; the default group as ``world``). ``warmed``: the group
-    names the run creates a communicator for (warmup.groups); None: every group. O(groups), whatever the world."""
-    bill = Bill(rank, ranks_per_node)
+    names the run creates a communicator for (warmup.groups); None: every group. ``backend`` gloo: every group is
+    a gloo communicator (the twins included) costing :func:`gloo_bytes` of its largest message in ``messages``
+    (group name -> bytes). O(groups), whatever the world."""
+    bill = Bill(rank, ranks_per_node, backend)
     by_ranks: dict[RankSet, list[str]] = {}
     for name in GROUP_NAMES:
         ranks = groups.get(name)
-        if ranks is None or name in GLOO_TWINS or (warmed is not None and name not in warmed and name != "world"):
+        twin = name in GLOO_TWINS and backend != "gloo"
+        if ranks is None or twin or (warmed is not None and name not in warmed and name != "world"):
             continue
         intra = ranks.base // ranks_per_node == ranks.last // ranks_per_node  # ascending: first and last decide
-        nbytes = communicator_bytes(ranks.size, intra_node=intra, settings=settings)
+        nbytes = (gloo_bytes(ranks.size, (messages or {}).get(name, 4)) if backend == "gloo"
+                  else communicator_bytes(ranks.size, intra_node=intra, settings=settings))
         bill.communicators.append({"group": name, "size": ranks.size, "intra_node": intra, "bytes": nbytes})
         by_ranks.setdefault(ranks, []).append(name)
     cost = {c["group"]: c["bytes"] for c in bill.communicators}
@@ -114,7 +123,79 @@ def estimate(groups: dict[str, RankSet], rank: int, ranks_per_node: int, setting
     return bill
 
 
-def rank_bill(layout: Layout, rank: int, ranks_per_node: int, settings: Settings, warmed: list[str] | None) -> Bill:
+def rank_bill(layout: Layout, rank: int, ranks_per_node: int, settings: Settings, warmed: list[str] | None, *,
+              backend: str = "nccl", messages: dict[str, int] | None = None) -> Bill:
     """:func:`estimate` for ``rank``'s groups in ``layout``."""
-    groups = {n: g for n in GROUP_NAMES if (g := layout.group_of(n, rank)) is not None}
-    return estimate(groups, rank, ranks_per_node, settings, warmed)
+    # With one distributed-optimizer instance megatron hands out the dp_cp and edp objects for these: no
+    # communicator of their own.
+    same_object = ("intra_dp_cp", "intra_edp") if layout.dist_opt_instances == 1 else ()
+    groups = {n: g for n in GROUP_NAMES if n not in same_object and (g := layout.group_of(n, rank)) is not None}
+    return estimate(groups, rank, ranks_per_node, settings, warmed, backend=backend, messages=messages)
+
+
+def backend_of(policy: Policy) -> str:
+    """The backend the run will use: ``distributed.backend``, and for ``auto`` nccl where this machine has an NVIDIA
+    driver (what ``torch.cuda.is_available()`` answers on the ranks, read without importing torch), else gloo."""
+    import os
+
+    chosen = str(policy.distributed.backend)
+    if chosen != "auto":
+        return chosen
+    return "nccl" if os.path.exists("/dev/nvidiactl") or os.path.exists("/proc/driver/nvidia/version") else "gloo"
+
+
+def policy_bill(policy: Policy, layout: Layout, rank: int, ranks_per_node: int) -> Bill:
+    """``rank``'s bill for the run ``policy`` describes: its backend, its NCCL settings, the groups warmup creates
+    (``warmup.groups``; the default group always) and, on gloo, the largest message warmed on each."""
+    from lifecycle.distributed.messages import job_messages, requested_groups
+
+    warmed = requested_groups(policy, layout.world_size) if policy.warmup.enabled else []
+    messages: dict[str, int] = {}
+    if "job" in policy.warmup.sizes:
+        for m in job_messages(policy):
+            messages[m.group] = max(messages.get(m.group, 0), m.nbytes)
+    return rank_bill(layout, rank, ranks_per_node, Settings.of(policy.distributed.effective_nccl_env()), warmed,
+                     backend=backend_of(policy), messages=messages)
+
+
+GLOO_BASE = 64 * 1024
+"""Gloo: what warming one communicator costs whatever its size (its ops' objects and work queue entries)."""
+GLOO_PER_PEER = 8 * 1024
+"""Gloo: what one pair (a full-mesh TCP connection to one peer) holds once used."""
+GLOO_MESSAGE_FACTOR = 4
+"""Gloo: resident memory left after warming with the largest message, in multiples of that message (the warm
+tensors and gloo's scratch, which glibc keeps once its mmap threshold has grown).
+
+The three are measured on this project's CPU machines (bench/comm_memory.py, bench/RESULTS.md), not gloo constants:
+the model answers "how much", to the order of magnitude, for a CPU rehearsal of a budget."""
+
+
+def gloo_bytes(n: int, largest_message: int) -> int:
+    """The estimated resident memory of one gloo communicator of ``n`` ranks whose largest message has
+    ``largest_message`` bytes (0 for a communicator of one)."""
+    if n <= 1:
+        return 0
+    return GLOO_BASE + (n - 1) * GLOO_PER_PEER + GLOO_MESSAGE_FACTOR * largest_message
+
+
+def live_estimate(policy: Policy, groups: Sequence[ResolvedGroup]) -> dict[str, int]:
+    """Per warmed group of this rank (:class:`~lifecycle.distributed.groups.ResolvedGroup` labels), the model's bytes
+    for the backend it really uses: NCCL's from the policy's settings (inside a node when its ranks share
+    ``LOCAL_WORLD_SIZE``-sized blocks), gloo's from its size and the largest message warmed on it."""
+    import os
+
+    import torch.distributed as dist
+
+    from lifecycle.distributed.messages import job_messages
+
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or 0) or dist.get_world_size()
+    settings = Settings.of(policy.distributed.effective_nccl_env())
+    sizes = {m.group: max(m.nbytes, 0) for m in job_messages(policy)} if "job" in policy.warmup.sizes else {}
+    out = {}
+    for g in groups:
+        if dist.get_backend(g.pg) == "nccl":
+            intra = g.ranks[0] // per_node == g.ranks[-1] // per_node
+            out[g.label] = communicator_bytes(g.size, intra_node=intra, settings=settings)
+        else:
+            out[g.label] = gloo_bytes(g.size, max([sizes.get(n, 4) for n in g.names], default=4))
+    return out

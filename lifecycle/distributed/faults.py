@@ -43,6 +43,8 @@ class Drills:
         self.slow = [f for f in self.pending if f.action == "slow" and f.at == "train"]
         self.pending = [f for f in self.pending if f not in self.slow]
         self._slow_started: set[int] = set()
+        self.held: list[bytes] = []
+        """What hold_memory drills hold, for the life of the process."""
         self.on_fire = on_fire
         if self.pending or self.slow:
             log.warning("FAULT DRILLS ARMED on rank %d: %s", rank,
@@ -102,6 +104,9 @@ class Drills:
             return False
         if f.action == "slow":
             time.sleep(f.seconds or 0.0)
+            return False
+        if f.action == "hold_memory":
+            self.held.append(b"\x01" * int((f.mib or 0.0) * 2**20))  # written, so resident until the process ends
             return False
         return f.action == "skip"
 

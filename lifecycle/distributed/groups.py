@@ -43,6 +43,11 @@ class ResolvedGroup:
         return "=".join(self.names)
 
     @property
+    def short(self) -> str:
+        """The label with at most three names (``dp=dp_cp=tp_dp=...``), for messages."""
+        return "=".join(self.names[:3]) + ("=..." if len(self.names) > 3 else "")
+
+    @property
     def size(self) -> int:
         return len(self.ranks)
 
@@ -103,3 +108,33 @@ def _missing(name: str, required: Sequence[str], get_group: Callable[[str], Proc
                          f"parallel state initialized with a layout that creates it (e.g. "
                          f"inter_dist_opt needs dist_opt_instances > 1)?", group=name, rank=rank)
     logger.info("group %r does not exist in this layout; skipped", name)
+
+
+def used_by(parallel: ParallelState, calls: dict[int, set[str]], pgs: dict[int, ProcessGroup],
+            warmed: Sequence[ResolvedGroup]) -> tuple[dict[str, list[str]], list[str]]:
+    """Name the communicators a traced block used (:mod:`lifecycle.distributed.tracing`): label -> methods, and the
+    labels of those that warmup did not warm. A group lifecycle has no name for is labelled by its ranks. Local."""
+    import torch.distributed as dist
+
+    known = {id(g.pg): g.short for g in resolve_quietly(parallel)}
+    warm = {id(g.pg) for g in warmed}
+    used: dict[str, list[str]] = {}
+    unwarmed = []
+    for key, methods in calls.items():
+        label = known.get(key) or f"ranks{dist.get_process_group_ranks(pgs[key])}"
+        used[label] = sorted(methods)
+        if key not in warm:
+            unwarmed.append(label)
+    return dict(sorted(used.items())), sorted(unwarmed)
+
+
+def resolve_quietly(parallel: ParallelState) -> list[ResolvedGroup]:
+    """Every group of this rank under all its names, without the log lines of :func:`resolve`. Local."""
+    import torch.distributed as dist
+
+    found: dict[int, tuple[list[str], ProcessGroup]] = {}
+    for name in GROUP_NAMES:
+        pg = parallel.get_group(name)
+        if pg is not None:
+            found.setdefault(id(pg), ([], pg))[0].append(name)
+    return [ResolvedGroup(tuple(n), pg, dist.get_process_group_ranks(pg)) for n, pg in found.values()]

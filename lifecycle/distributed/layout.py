@@ -200,7 +200,7 @@ class Layout:
     def exists(self, name: str) -> bool:
         """Whether Megatron creates groups of this kind at all in this layout."""
         check_name(name)
-        return name != "inter_dist_opt" or self.dist_opt_instances > 1
+        return name not in ("inter_dist_opt",) or self.dist_opt_instances > 1
 
     def groups(self, name: str) -> list[list[int]]:
         """All groups of kind ``name`` in Megatron's creation order; [] if the kind does not exist."""
@@ -218,6 +218,8 @@ class Layout:
         if name == "intra_dist_opt":
             n = self.edp // self.intra_edp
             return [self._intra_dist_opt(k) for k in range(n)]
+        if name == "intra_dp_cp":
+            return [list(g) for g in self._dec_chunks()]
         return [g for e in self._exp.groups("dp") for g in self._split_edp(e, name)]
 
     def ranks_of(self, name: str, rank: int) -> list[int] | None:
@@ -242,6 +244,8 @@ class Layout:
             pp = self._dec.rankset(rank, "pp")
             ends = [pp.base] if name == "pos_embd" or pp.size == 1 else [pp.base, pp.last]
             return RankSet.of(ends[0], [(ends[-1] - ends[0], len(ends))]) if rank in ends else None
+        if name == "intra_dp_cp":
+            return self._intra_dp_cp(self._dec.rankset(rank, "dp-cp"), rank)
         # The distributed-optimizer groups split the expert-dp dim into (intra_edp, instances).
         c, stride = self._exp.coord(rank, "dp")
         chunk, size = c // self.intra_edp, self.intra_edp
@@ -306,6 +310,20 @@ class Layout:
                 seen.setdefault(tuple(ranks), []).append(name)
         return [(names, list(ranks)) for ranks, names in seen.items()]
 
+    def _intra_dp_cp(self, dp_cp: RankSet, rank: int | None = None, index: int | None = None) -> RankSet:
+        # Megatron: consecutive chunks of (dp*cp)/instances of each dp-cp group's ranks in ascending order.
+        size = dp_cp.size // self.dist_opt_instances
+        pos = sum(k * math.prod(n for _, n in dp_cp.dims[:i]) for i, k in enumerate(_digits(dp_cp, rank))) \
+            if rank is not None else 0
+        return chunk(dp_cp, size, pos // size if index is None else index)
+
+    def _dec_chunks(self) -> list[RankSet]:
+        out = []
+        for g in self._dec.groups("dp-cp"):
+            rs = self._dec.rankset(g[0], "dp-cp")
+            out += [self._intra_dp_cp(rs, index=k) for k in range(self.dist_opt_instances)]
+        return out
+
     def _embedding(self, pp_ranks: list[int], name: str) -> list[int]:
         # Megatron's default_embedding_ranks / default_position_embedding_ranks.
         if name == "pos_embd" or len(pp_ranks) == 1:
@@ -333,6 +351,37 @@ class Layout:
         if name == "intra_edp":
             return [edp_ranks[k * size:(k + 1) * size] for k in range(n)]
         return [sorted(edp_ranks[j::size]) for j in range(size)]
+
+
+def _digits(rs: RankSet, rank: int) -> list[int]:
+    """The digit of ``rank`` on each of ``rs``'s dims (lowest stride first)."""
+    rest, out = rank - rs.base, []
+    for stride, _ in reversed(rs.dims):
+        out.append(rest // stride)
+        rest -= out[-1] * stride
+    return out[::-1]
+
+
+def chunk(rs: RankSet, size: int, index: int) -> RankSet:
+    """The ``index``-th run of ``size`` consecutive ranks of ``rs`` in ascending order, as a RankSet. A UsageError
+    when the run is not a box of ``rs``'s dims (a chunk size that neither divides nor is a multiple of a dim)."""
+    dims, base, rem, pos = [], rs.base, size, index * size
+    for stride, n in rs.dims:
+        digit, pos = pos % n, pos // n
+        if rem >= n:
+            if rem % n:
+                raise UsageError(f"a run of {size} ranks of {rs.fmt()} is not a grid of its dims")
+            dims.append((stride, n))
+            rem //= n
+        elif rem > 1:
+            if n % rem:
+                raise UsageError(f"a run of {size} ranks of {rs.fmt()} is not a grid of its dims")
+            dims.append((stride, rem))
+            base += digit * stride
+            rem = 1
+        else:
+            base += digit * stride
+    return RankSet.of(base, dims)
 
 
 def check_name(name: str) -> None:

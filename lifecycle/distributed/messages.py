@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from lifecycle.distributed.names import GROUP_NAMES
+
 if TYPE_CHECKING:
     from lifecycle.policy.schema import Policy
 
@@ -73,3 +75,58 @@ def _megatron(policy: Policy) -> list[Message]:
     if tp > 1:
         out.append(Message("tp", "all_reduce", activation, "tensor-parallel activation all-reduce"))
     return out
+
+
+def used_groups(policy: Policy, world_size: int | None = None) -> list[str] | None:
+    """The groups the job's collectives use (``warmup.groups: used``), or None when the train kind's are not known
+    (a trainer's own loop, a plugin kind: warm them all). Always ``world`` (lifecycle's stop flag, barriers and
+    checkpoints) and ``dp`` (the reported loss). For ``megatron_gpt`` the rules below match what the first step of
+    a real run used (``groups_used`` events; tests/distributed/test_groups_used.py holds them against it): the
+    tensor-parallel layers' all-reduce (on ``tp`` even at size 1), the dense gradients on ``dp_cp`` and their norm
+    on ``mp`` — with the distributed optimizer the instance's ``intra_dp_cp`` and ``intra_dist_opt`` (and
+    ``inter_dist_opt`` between instances) —, ``pp`` between stages, ``tp_cp``/``cp`` when larger than one, and the
+    experts' ``ep`` all-to-all, ``tp_ep`` permutation gather, ``etp``, their gradients on ``edp`` (``intra_edp``
+    with the distributed optimizer) and norm on ``tp_ep_pp``. ``world_size`` (when known) drops an expert-dp group
+    of one rank, which megatron never reduces over."""
+    kind, o = policy.train.kind, policy.train.options
+    if kind == "synthetic":
+        return ["world", "dp"]  # GROUP_NAMES order
+    if kind != "megatron_gpt" or o is None:
+        return None
+    par = policy.parallelism
+    used = {"world", "dp", "tp"}
+    dist_opt = bool(getattr(o, "use_distributed_optimizer", False))
+    if dist_opt:
+        used |= {"intra_dp_cp", "intra_dist_opt"} | ({"inter_dist_opt"} if par.dist_opt_instances > 1 else set())
+    else:
+        used |= {"dp_cp", "mp"}
+    if par.pp > 1:
+        used.add("pp")
+    if par.tp * par.cp > 1:
+        used.add("tp_cp")
+    if par.cp > 1:
+        used.add("cp")
+    if int(o.num_experts):
+        used.add("tp_ep")
+        if par.ep > 1:
+            used.add("ep")
+        if par.expert_tp > 1:
+            used.add("etp")
+        edp = world_size // (par.expert_tp * par.ep * par.pp) if world_size else None
+        if edp is None or edp > 1:
+            used.add("intra_edp" if dist_opt else "edp")
+        if par.ep > 1 and not dist_opt:
+            used.add("tp_ep_pp")
+    return [n for n in GROUP_NAMES if n in used]
+
+
+def requested_groups(policy: Policy, world_size: int | None = None) -> list[str]:
+    """The warmup group names in the canonical order (that order is the same on every rank). ``used``: the groups
+    the job's collectives use (:func:`used_groups`; all when the train kind's are not
+    known)."""
+    groups = policy.warmup.groups
+    if groups == "used":
+        wanted = used_groups(policy, world_size) or list(GROUP_NAMES)
+    else:
+        wanted = list(GROUP_NAMES) if groups == "all" else list(groups)
+    return [n for n in GROUP_NAMES if n in wanted]

@@ -29,6 +29,8 @@ GROUPS: dict[str, str] = {
     "intra_edp": "expert data parallel inside one distributed-optimizer instance",
     "intra_dist_opt": "all ranks of one distributed-optimizer instance",
     "inter_dist_opt": "across distributed-optimizer instances (inter partial expert-DP; the seed bug)",
+    "intra_dp_cp": "data x context parallel inside one distributed-optimizer instance (the dense optimizer's "
+                   "reduce-scatter and all-gather)",
     "dp_gloo": "data parallel, gloo twin",
     "dp_cp_gloo": "data x context parallel, gloo twin",
     "edp_gloo": "expert data parallel, gloo twin",

@@ -195,39 +195,39 @@ def check_rendezvous_env(env: dict[str, str] | os._Environ[str] | None = None) -
 
 
 def check_comm_budget(policy: Policy, world_size: int, ranks_per_node: int) -> None:
-    """``distributed.comm_memory_budget_gib``: every rank's estimated NCCL communicator memory within the budget, or
-    a PolicyError (exit 2) naming the rank, the estimate, its largest groups and what shrinks them. At most 4096 ranks
-    are estimated (evenly spread, the last included): the bills of a Megatron layout repeat across its replicas."""
+    """``distributed.comm_memory_budget_gib``: every rank's estimated communicator memory, for the backend the run
+    will use (:func:`~lifecycle.distributed.comm_memory.backend_of`), within the budget, or a PolicyError (exit 2)
+    naming the rank, the estimate, its largest groups and what shrinks them. At most 4096 ranks are estimated
+    (evenly spread, the last included): the bills of a Megatron layout repeat across its replicas. Warmup checks
+    what each group really took against the same budget."""
     budget = policy.distributed.comm_memory_budget_gib
     if budget is None:
         return
-    from lifecycle.distributed.comm_memory import Settings, rank_bill
+    from lifecycle.distributed.comm_memory import policy_bill
     from lifecycle.distributed.layout import build_layout
-    from lifecycle.phases.warmup import requested_groups
 
     par = policy.parallelism
     layout = build_layout(world_size, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep, etp=par.etp,
                           dist_opt_instances=par.dist_opt_instances, order=par.order)
-    settings = Settings.of(policy.distributed.effective_nccl_env())
-    warmed = requested_groups(policy) if policy.warmup.enabled else []
     step = max(world_size // 4096, 1)
     worst = None
     for rank in sorted({*range(0, world_size, step), world_size - 1}):
-        bill = rank_bill(layout, rank, ranks_per_node, settings, warmed)
+        bill = policy_bill(policy, layout, rank, ranks_per_node)
         if worst is None or bill.total > worst.total:
             worst = bill
     if worst is None or worst.total <= budget * 2**30:
         return
     top = sorted(worst.communicators, key=lambda c: -c["bytes"])[:3]
-    shown = ", ".join(f"{c['group']} ({c['size']} ranks) {c['bytes'] / 2**20:.0f} MiB" for c in top)
+    shown = ", ".join(f"{c['group']} ({c['size']} ranks) {c['bytes'] / 2**20:.1f} MiB" for c in top)
     dup = sum(int(d["bytes"]) for d in worst.duplicates)
+    knobs = ("distributed.nccl_env (NCCL_BUFFSIZE, NCCL_MAX_NCHANNELS, NCCL_PROTO), " if worst.backend == "nccl"
+             else "")
     raise PolicyError.single(
         "distributed.comm_memory_budget_gib",
-        f"rank {worst.rank}'s NCCL communicators would take {worst.total / 2**30:.2f} GiB by the estimate "
-        f"(`lifecycle explain --world-size {world_size} --rank {worst.rank}`), over the budget; largest: {shown}"
-        + (f"; {dup / 2**20:.0f} MiB of it for groups that repeat another's ranks" if dup else "")
-        + "; shrink with distributed.nccl_env (NCCL_BUFFSIZE, NCCL_MAX_NCHANNELS, NCCL_PROTO), fewer "
-          "warmup.groups, or raise the budget", budget)
+        f"rank {worst.rank}'s {worst.backend} communicators would take {worst.total / 2**30:.3f} GiB by the "
+        f"estimate (`lifecycle explain --world-size {world_size} --rank {worst.rank}`), over the budget; largest: "
+        f"{shown}" + (f"; {dup / 2**20:.1f} MiB of it for groups that repeat another's ranks" if dup else "")
+        + f"; shrink with {knobs}warmup.groups: used, or raise the budget", budget)
 
 
 def check_resume(checkpoint_dir: str, resume: str, on_corrupt: str) -> None:

@@ -92,15 +92,11 @@ def check_ranks(world_size: int | None, rank: int) -> None:
 
 
 def comm_memory(loaded: Loaded, layout: Layout, rank: int, ranks_per_node: int) -> JsonDict:
-    """The estimated device memory of this rank's NCCL communicators (:mod:`lifecycle.distributed.comm_memory`),
-    for the groups warmup creates (``warmup.groups``; the default group always)."""
-    from lifecycle.distributed.comm_memory import Settings, rank_bill
-    from lifecycle.phases.warmup import requested_groups
+    """The estimated memory of this rank's communicators (:mod:`lifecycle.distributed.comm_memory`) for the backend
+    the run will use (``distributed.backend=nccl`` asks for NCCL's on a CPU machine)."""
+    from lifecycle.distributed.comm_memory import policy_bill
 
-    policy = loaded.policy
-    warmed = requested_groups(policy) if policy.warmup.enabled else []
-    bill = rank_bill(layout, rank, ranks_per_node, Settings.of(policy.distributed.effective_nccl_env()), warmed)
-    return {"backend": "nccl", **bill.as_dict()}
+    return policy_bill(loaded.policy, layout, rank, ranks_per_node).as_dict()
 
 
 def explain(loaded: Loaded, world_size: int | None, rank: int, ranks_per_node: int = 8) -> JsonDict:
@@ -147,14 +143,15 @@ def render(info: JsonDict) -> str:
             lines.append(f"  not in this layout: {', '.join(lay['absent'])}")
     if "comm_memory" in info:
         cm = info["comm_memory"]
-        lines += ["", f"communicators (NCCL estimate, rank {cm['rank']}, {cm['ranks_per_node']} ranks per node): "
-                      f"{cm['total_gib']:.2f} GiB in {len(cm['communicators'])} communicators"]
+        what = "NCCL estimate, device memory" if cm["backend"] == "nccl" else f"{cm['backend']} estimate, host memory"
+        lines += ["", f"communicators ({what}, rank {cm['rank']}, {cm['ranks_per_node']} ranks per node): "
+                      f"{cm['total_gib']:.3f} GiB in {len(cm['communicators'])} communicators"]
         for c in sorted(cm["communicators"], key=lambda c: -c["bytes"])[:8]:
             where = "intra-node" if c["intra_node"] else "inter-node"
-            lines.append(f"  {c['group']:<15} {c['size']:>6} ranks  {where:<10}  {c['bytes'] / 2**20:9.0f} MiB")
+            lines.append(f"  {c['group']:<15} {c['size']:>6} ranks  {where:<10}  {c['bytes'] / 2**20:9.1f} MiB")
         for d in cm["identical_rank_sets"]:
             lines.append(f"  same ranks, separate communicators: {', '.join(d['groups'])} ({d['size']} ranks): "
-                         f"{d['bytes'] / 2**20:.0f} MiB more than one would cost")
+                         f"{d['bytes'] / 2**20:.1f} MiB more than one would cost")
     for phase, actions in info["plan"].items():
         lines += ["", f"{phase}" + ("  (nothing to do)" if not actions else "")]
         for i, a in enumerate(actions, 1):

@@ -150,6 +150,22 @@ def _deadlines(events: dict[int, list[dict[str, Any]]]) -> dict[str, Any]:
     return out
 
 
+def comm_memory(events: dict[int, list[dict[str, Any]]]) -> dict[str, Any] | None:
+    """What warming the communicators cost (``comm_memory`` events): the largest rank total, and per group the
+    largest measured cost over ranks beside the model's estimate."""
+    last = {r: e for r, evs in events.items() if (e := _last(evs, "comm_memory"))}
+    if not last:
+        return None
+    worst = max(last, key=lambda r: (int(last[r].get("total_bytes", 0)), -r))
+    groups: dict[str, dict[str, Any]] = {}
+    for e in last.values():
+        for g, v in (e.get("groups") or {}).items():
+            cur = groups.setdefault(g, {"measured_max_bytes": 0, "estimate_bytes": v.get("estimate_bytes")})
+            cur["measured_max_bytes"] = max(cur["measured_max_bytes"], int(v.get("measured_bytes") or 0))
+    return {"source": last[worst].get("source"), "max_total_bytes": int(last[worst].get("total_bytes", 0)),
+            "max_total_rank": worst, "groups": groups}
+
+
 def build(run_dir: Path, launch: Any | None = None) -> dict[str, Any]:
     """Aggregate a run directory's events into the summary (a failed run gets one too)."""
     events = {r: valid_events(evs) for r, evs in read_events(run_dir).items()}
@@ -187,6 +203,9 @@ def build(run_dir: Path, launch: Any | None = None) -> dict[str, Any]:
                                             if (_last(evs, "nccl_env") or {}).get("env")
                                             != (_last(rank0, "nccl_env") or {}).get("env")) or None,
         "earlier_attempts": earlier_attempts(run_dir),
+        "comm_memory": comm_memory(events),
+        "unwarmed_groups": {r: e["unwarmed"] for r, evs in events.items()
+                            if (e := _last(evs, "groups_used")) and e.get("unwarmed")} or None,
     }
     if launch is not None:
         summary.update(exit_code=launch.exit_code, outcome=launch.describe(), wall_s=round(launch.wall_s, 2),

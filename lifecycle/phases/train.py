@@ -94,6 +94,7 @@ class StepLoop:
         self.on_step: list[Callable[[int], None]] = []
         """Called with the step number as each step begins (the zero-token guard's step)."""
         self._metrics: dict[str, float] = {}
+        self._traced = False
 
     def start(self, ctx: RunContext, total: int | None) -> None:
         """Before the first step (after any resume): a resumed step counts as saved."""
@@ -113,7 +114,7 @@ class StepLoop:
         ctx.drills.fire("train", step=step)
         self._metrics = {}
         t0 = time.monotonic()
-        with ctx.events.span("step") as extra:
+        with ctx.events.span("step") as extra, self._first_step_trace(ctx):
             slow = ctx.drills.slow_s(step)
             if slow:
                 time.sleep(slow)  # a `slow` drill: extra compute on this rank (a straggler)
@@ -125,6 +126,27 @@ class StepLoop:
         if ctx.compute is not None:
             ctx.compute.add(compute)
         ctx.step = step
+
+    @contextmanager
+    def _first_step_trace(self, ctx: RunContext) -> Iterator[None]:
+        """The first step of this process runs traced: which communicators it used (event ``groups_used``) and
+        which of them warmup did not connect (``unwarmed``: each connected inside the step, at its memory peak)."""
+        if self._traced:
+            yield
+            return
+        self._traced = True
+        from lifecycle.distributed import groups, tracing
+
+        with tracing.trace() as seen:
+            yield
+        used, unwarmed = groups.used_by(ctx.parallel, seen.calls, seen.groups, ctx.groups)
+        if not ctx.policy.warmup.enabled:
+            unwarmed = []
+        ctx.events.instant("groups_used", groups=used, unwarmed=unwarmed)
+        if unwarmed:
+            log.warning("step %d used communicator(s) that warmup did not warm: %s; they connected inside the step, "
+                        "at its memory peak — add them to warmup.groups (or use warmup.groups: used)",
+                        ctx.events.step, ", ".join(unwarmed))
 
     def steps(self, ctx: RunContext, total: int) -> Generator[int, None, None]:
         """Yield each step after ``ctx.step`` up to ``total`` inside its step span, then run its boundary; the

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from lifecycle.distributed.messages import requested_groups
 from lifecycle.distributed.names import GROUP_NAMES
 from lifecycle.phases.base import Action, GroupView, WarmTarget, barrier_actions, sequence_check
 from lifecycle.phases.points import run_point
@@ -19,13 +21,6 @@ if TYPE_CHECKING:
     from lifecycle.policy.schema import Policy
 
 log = logging.getLogger(__name__)
-
-
-def requested_groups(policy: Policy) -> list[str]:
-    """The warmup group names in the canonical order (that order is the same on every rank)."""
-    groups = policy.warmup.groups
-    wanted = list(GROUP_NAMES) if groups == "all" else list(groups)
-    return [n for n in GROUP_NAMES if n in wanted]
 
 
 def _job_actions(policy: Policy, targets: list[WarmTarget], deadline: float) -> dict[tuple[str, ...], list[Action]]:
@@ -87,6 +82,62 @@ def _free_memory() -> int | None:
     return None
 
 
+def comm_memory_now() -> tuple[int, str] | None:
+    """The memory communicators hold now, and how it is read: on CUDA the device memory in use that PyTorch's
+    allocator does not hold (``total - free - memory_reserved``: NCCL's buffers, not the warm tensors, which the
+    caching allocator keeps); elsewhere the resident memory of this process (gloo's pairs and buffers). None where
+    neither can be read."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        free, total = torch.cuda.mem_get_info()
+        return int(total - free - torch.cuda.memory_reserved()), "cuda"
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE"), "rss"
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class CommMemory:
+    """What warming each communicator cost this rank (the growth of :func:`comm_memory_now` across its warm ops,
+    never negative), checked against ``distributed.comm_memory_budget_gib`` and ``memory_headroom_gib`` after every
+    op: the group that pushes past either fails warmup at once, with its name, before the model takes its memory."""
+
+    def __init__(self, budget_gib: float | None, headroom_gib: float) -> None:
+        self.budget = None if budget_gib is None else budget_gib * 2**30
+        self.headroom = headroom_gib * 2**30
+        self.per_group: dict[str, int] = {}
+        self.source: str | None = None
+
+    @property
+    def total(self) -> int:
+        return sum(self.per_group.values())
+
+    def add(self, label: str, before: tuple[int, str] | None, after: tuple[int, str] | None) -> None:
+        if before is None or after is None:
+            return
+        self.source = after[1]
+        self.per_group[label] = self.per_group.get(label, 0) + max(after[0] - before[0], 0)
+
+    def check(self, group: ResolvedGroup, rank: int) -> None:
+        from lifecycle.errors import PhaseError
+
+        label = group.short
+        if self.budget is not None and self.total > self.budget:
+            raise PhaseError(f"warming group {label} took this rank's communicator memory to "
+                             f"{self.total / 2**20:.1f} MiB ({label}: {self.per_group[group.label] / 2**20:.1f} MiB, "
+                             f"measured as {self.source}), over distributed.comm_memory_budget_gib="
+                             f"{self.budget / 2**30:g}; shrink it with distributed.nccl_env (NCCL_BUFFSIZE, "
+                             f"NCCL_MAX_NCHANNELS, NCCL_PROTO), warmup.groups: used, or raise the budget",
+                             phase="warmup", group=group.names[0], rank=rank)
+        free = _free_memory() if self.headroom else None
+        if free is not None and free < self.headroom:
+            raise PhaseError(f"only {free / 2**30:.1f} GiB free on this GPU after warming group {label}; the policy "
+                             f"asks for {self.headroom / 2**30:g} GiB headroom (distributed.memory_headroom_gib)",
+                             phase="warmup", group=group.names[0], rank=rank)
+
+
 class WarmupPhase:
     phase = "warmup"
 
@@ -120,11 +171,12 @@ class WarmupPhase:
         from lifecycle.distributed import groups
 
         policy = ctx.policy
-        ctx.groups = groups.resolve(ctx.parallel, requested_groups(policy), policy.warmup.required)
+        ctx.groups = groups.resolve(ctx.parallel, requested_groups(policy, ctx.world_size), policy.warmup.required)
         by_name = {n: g for g in ctx.groups for n in g.names}
         plan = self.plan(policy, ResolvedView(ctx.groups))
         point_index: dict[str, int] = {}
         timings: dict[str, float] = {}
+        memory = CommMemory(policy.distributed.comm_memory_budget_gib, policy.distributed.memory_headroom_gib)
         for action in plan:
             if not action.op.startswith(("barrier:", "warm:")):
                 continue  # the sequence check: the phase hook runs it when warmup is left
@@ -137,10 +189,24 @@ class WarmupPhase:
             op = action.op.split(":", 1)[1]
             group = by_name[action.names[0]]
             fn = _op_for(ctx, op, group) if not action.nbytes else _sized(ctx, op, action.nbytes)
+            before = comm_memory_now()
             timings[group.label] = timings.get(group.label, 0.0) + self._op(ctx, fn, op, group,
                                                                             action.deadline_s or 0.0, action.nbytes)
+            memory.add(group.label, before, comm_memory_now())
+            memory.check(group, ctx.rank)
         ctx.warmup_s = timings
-        self._headroom(ctx)
+        self._record(ctx, memory)
+
+    def _record(self, ctx: RunContext, memory: CommMemory) -> None:
+        """One ``comm_memory`` event: per warmed group what it cost (measured) and what the model expected."""
+        if memory.source is None:
+            return
+        from lifecycle.distributed.comm_memory import live_estimate
+
+        estimate = live_estimate(ctx.policy, ctx.groups)
+        ctx.events.instant("comm_memory", source=memory.source, total_bytes=memory.total,
+                           groups={g: {"measured_bytes": b, "estimate_bytes": estimate.get(g)}
+                                   for g, b in memory.per_group.items()})
 
     def _op(self, ctx: RunContext, fn: WarmupOp, op: str, group: ResolvedGroup, deadline: float,
             nbytes: int = 0) -> float:
@@ -156,13 +222,3 @@ class WarmupPhase:
                 extra.update(mem_free_before=before, mem_free_after=after)
         ctx.op_counts[group.label] += 1
         return float(seconds)
-
-    def _headroom(self, ctx: RunContext) -> None:
-        need = ctx.policy.distributed.memory_headroom_gib
-        free = _free_memory()
-        if need and free is not None and free < need * 2**30:
-            from lifecycle.errors import PhaseError
-
-            raise PhaseError(f"only {free / 2**30:.1f} GiB free on this GPU after warmup; the policy asks for "
-                             f"{need} GiB headroom (distributed.memory_headroom_gib)", phase="warmup",
-                             rank=ctx.rank)

@@ -10,6 +10,7 @@ from pydantic import (
     BaseModel,
     Field,
     NonNegativeInt,
+    PositiveFloat,
     PositiveInt,
     ValidationError,
     ValidationInfo,
@@ -218,13 +219,17 @@ class FaultDrill(Section):
     """Train step it fires at (train and checkpoint phases only)."""
     ranks: list[NonNegativeInt] = Field(min_length=1)
     """Global ranks the drill fires on."""
-    action: Literal["stall", "crash", "raise", "signal", "skip", "zero_tokens", "slow"]
+    action: Literal["stall", "crash", "raise", "signal", "skip", "zero_tokens", "slow", "hold_memory"]
     """stall: sleep forever; crash: os._exit; raise: an exception; signal: SIGTERM to itself; skip: skip a collective;
     zero_tokens: the routers send no token to these ranks' local experts, at every step from `step` on (or at `steps`);
     slow: `seconds` of extra compute in every train step from `step` on (a straggler); at checkpoint, `seconds`
-    once before the matching op (a slow file system: op save or commit)."""
+    once before the matching op (a slow file system: op save or commit); hold_memory: at warmup, `mib` of resident
+    memory held from the matching warm op on, as if that group's communicator took more than estimated (the
+    communicator budget's rehearsal on gloo; on CUDA warmup measures device memory, which this does not move)."""
     seconds: Seconds | None = None
     """slow only: extra seconds per step (train), or once (checkpoint)."""
+    mib: PositiveFloat | None = None
+    """hold_memory only: MiB held."""
     steps: list[PositiveInt] | None = None
     """zero_tokens only: the train steps it acts at, instead of every step from `step` on."""
     op: str | None = None
@@ -244,6 +249,9 @@ class FaultDrill(Section):
                 self.action == "slow" and self.at not in ("train", "checkpoint")):
             raise ValueError("a slow drill is at: train (extra time per step from step on) or at: checkpoint (once, "
                              "before its op), with seconds; seconds applies to slow drills only")
+        if (self.action == "hold_memory") != (self.mib is not None) or (
+                self.action == "hold_memory" and self.at != "warmup"):
+            raise ValueError("a hold_memory drill is at: warmup, with mib; mib applies to hold_memory drills only")
         if self.group is not None:
             check_group_name(self.group)
         return self

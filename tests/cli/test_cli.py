@@ -117,30 +117,43 @@ def test_resume_required_without_a_checkpoint_is_refused_before_any_rank_starts(
 
 
 def test_explain_prints_the_communicator_bill_and_its_json() -> None:
-    proc = run_cli("explain", "-w", "16", "--ranks-per-node", "4", "preset=moe", "parallelism.ep=4",
-                   "+distributed.nccl_env.NCCL_BUFFSIZE=2097152")
+    nccl = ("preset=moe", "parallelism.ep=4", "distributed.backend=nccl")  # NCCL's bill, asked on a CPU machine
+    proc = run_cli("explain", "-w", "16", "--ranks-per-node", "4", *nccl, "+distributed.nccl_env.NCCL_BUFFSIZE=2097152")
     assert proc.returncode == 0, proc.stderr
-    assert "communicators (NCCL estimate, rank 0, 4 ranks per node)" in proc.stdout
+    assert "communicators (NCCL estimate, device memory, rank 0, 4 ranks per node)" in proc.stdout
     assert "same ranks, separate communicators: world, dp, dp_cp, tp_dp, tp_dp_cp, intra_dist_opt" in proc.stdout
-    info = json.loads(run_cli("explain", "-w", "16", "--json", "preset=moe", "parallelism.ep=4").stdout)
-    smaller = json.loads(run_cli("explain", "-w", "16", "--json", "preset=moe", "parallelism.ep=4",
+    info = json.loads(run_cli("explain", "-w", "16", "--json", *nccl).stdout)
+    smaller = json.loads(run_cli("explain", "-w", "16", "--json", *nccl,
                                  "+distributed.nccl_env.NCCL_BUFFSIZE=2097152").stdout)
     assert smaller["comm_memory"]["total_bytes"] < info["comm_memory"]["total_bytes"]
-    assert info["nccl_env"] == {"NCCL_RUNTIME_CONNECT": "0"}
+    assert info["nccl_env"] == {"NCCL_RUNTIME_CONNECT": "0"} and info["comm_memory"]["backend"] == "nccl"
+    # warmup.groups: used creates fewer communicators: at world 16, ep 4 a third less memory
+    used = json.loads(run_cli("explain", "-w", "16", "--json", *nccl, "warmup.groups=used").stdout)["comm_memory"]
+    assert used["total_bytes"] < 0.8 * info["comm_memory"]["total_bytes"]
+    # The backend the run will use: gloo on this machine (no NVIDIA driver), whose bill is host memory
+    gloo = json.loads(run_cli("explain", "-w", "16", "--json", "preset=moe", "parallelism.ep=4",
+                              "distributed.backend=gloo").stdout)["comm_memory"]
+    assert gloo["backend"] == "gloo" and 0 < gloo["total_bytes"] < 64 * 2**20
+    assert any(c["group"] == "dp_gloo" for c in gloo["communicators"])  # a gloo twin is a communicator like any
 
 
 def test_a_communicator_budget_below_the_estimate_stops_the_run_before_any_rank_starts(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    proc = run_cli("run", "--nproc", "4", f"run.dir={run_dir}", "distributed.comm_memory_budget_gib=0.5")
+    proc = run_cli("run", "--nproc", "4", f"run.dir={run_dir}", "distributed.comm_memory_budget_gib=0.5",
+                   "distributed.backend=nccl")
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "distributed.comm_memory_budget_gib: rank 0's NCCL communicators would take" in proc.stderr
+    assert "distributed.comm_memory_budget_gib: rank 0's nccl communicators would take" in proc.stderr
     assert "over the budget; largest: " in proc.stderr and "NCCL_BUFFSIZE" in proc.stderr
     assert "Traceback" not in proc.stderr and not (run_dir / "events").exists()  # no rank started
     # Smaller buffers and channels bring the same job under the same budget (validated, not run here).
     from lifecycle.launch.preflight import check_comm_budget
     from lifecycle.policy.load import validate
 
-    small = validate({"distributed": {"comm_memory_budget_gib": 0.5,
+    small = validate({"distributed": {"comm_memory_budget_gib": 0.5, "backend": "nccl",
                                       "nccl_env": {"NCCL_BUFFSIZE": 1 << 20, "NCCL_MAX_NCHANNELS": 2}},
                       "parallelism": {"ep": 2}})
     check_comm_budget(small, 4, 4)
+    # On gloo (this machine's backend) the bill is host memory, a few MiB: a budget below it is refused as well
+    proc = run_cli("run", "--nproc", "4", f"run.dir={run_dir}", "distributed.comm_memory_budget_gib=0.0001")
+    assert proc.returncode == 2 and "rank 0's gloo communicators would take 0.00" in proc.stderr, proc.stderr
+    assert "shrink with warmup.groups: used" in proc.stderr and not (run_dir / "events").exists()

@@ -48,6 +48,7 @@ _GETTERS: dict[str, list[tuple[str, dict[str, Any]]]] = {
     "intra_edp": [("get_expert_data_parallel_group", {"partial_expert_data_parallel": True})],
     "intra_dist_opt": [("get_intra_distributed_optimizer_instance_group", {})],
     "inter_dist_opt": [("get_inter_distributed_optimizer_instance_group", {})],
+    "intra_dp_cp": [("get_data_parallel_group", {"with_context_parallel": True, "partial_data_parallel": True})],
     "dp_gloo": [("get_data_parallel_group_gloo", {})],
     "dp_cp_gloo": [("get_data_parallel_group_gloo", {"with_context_parallel": True})],
     "edp_gloo": [("get_expert_data_parallel_group_gloo", {})],

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lifecycle.distributed.comm_memory import MIB, Settings, communicator_bytes, estimate
+from lifecycle.distributed.comm_memory import MIB, Settings, communicator_bytes, estimate, rank_bill
 from lifecycle.distributed.layout import build_layout
 from lifecycle.distributed.names import GROUP_NAMES
 
@@ -35,9 +35,12 @@ def test_the_estimate_grows_with_buffer_size_channels_and_connecting_eagerly(n: 
 def test_identical_rank_sets_are_named_with_what_the_extra_communicators_cost() -> None:
     layout = build_layout(16, ep=4)
     groups = {n: g for n in GROUP_NAMES if (g := layout.group_of(n, 0)) is not None}
-    bill = estimate(groups, 0, 8, Settings()).as_dict()
+    bill = rank_bill(layout, 0, 8, Settings(), None).as_dict()
     same = {tuple(d["groups"]) for d in bill["identical_rank_sets"]}
     assert ("world", "dp", "dp_cp", "tp_dp", "tp_dp_cp", "intra_dist_opt") in same
+    # One optimizer instance: intra_dp_cp and intra_edp are megatron's dp_cp and edp objects, no communicator
+    assert not {"intra_dp_cp", "intra_edp"} & {c["group"] for c in bill["communicators"]}
+    assert estimate(groups, 0, 8, Settings()).total > bill["total_bytes"]
     assert all(d["bytes"] > 0 for d in bill["identical_rank_sets"])
     assert not any(c["group"].endswith("_gloo") for c in bill["communicators"])  # gloo twins: no device memory
     fewer = estimate(groups, 0, 8, Settings(), warmed=["ep", "edp"]).as_dict()

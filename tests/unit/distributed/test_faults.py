@@ -37,6 +37,9 @@ def test_fires_once_on_its_ranks_at_its_first_step_and_never_asks_to_skip(caplog
     ({"step": None}, "with either step"),
     ({"step": 2, "steps": [3]}, "with either step"),
     ({"action": "crash", "step": None, "steps": [3]}, "steps applies to zero_tokens drills only"),
+    ({"action": "hold_memory", "step": None, "steps": None}, "hold_memory drill is at: warmup, with mib"),
+    ({"at": "warmup", "action": "hold_memory", "step": None, "steps": None}, "hold_memory drill is at: warmup"),
+    ({"action": "crash", "step": 2, "steps": None, "mib": 4}, "mib applies to hold_memory drills only"),
 ])
 def test_bad_drills_name_the_rule(kw: dict[str, object], match: str) -> None:
     data = {"at": "train", "ranks": [1], "action": "zero_tokens", "step": 3, **kw}

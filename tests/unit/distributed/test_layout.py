@@ -9,8 +9,10 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from lifecycle.distributed.layout import MAX_WORLD_SIZE, Layout, RankSet, build_layout
+from lifecycle.distributed.layout import MAX_WORLD_SIZE, Layout, RankSet, build_layout, chunk
 from lifecycle.distributed.names import GROUP_NAMES
 from lifecycle.distributed.ranks import fmt_ranks
 from lifecycle.errors import UsageError
@@ -51,13 +53,14 @@ def test_distributed_optimizer_instances() -> None:
     assert lay.groups("inter_dist_opt") == [[0, 4], [2, 6], [1, 5], [3, 7]]
     assert lay.groups("intra_dist_opt") == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert lay.ranks_of("inter_dist_opt", 6) == [2, 6]
+    assert lay.groups("intra_dp_cp") == [[0, 1, 2, 3], [4, 5, 6, 7]]  # the dense dp (8) in two instances
 
 
 def test_distinct_groups_merge_aliases() -> None:
     lay = build_layout(4, tp=2, ep=2)
     distinct = dict((tuple(names), ranks) for names, ranks in lay.distinct_groups_of(1))
     assert distinct[("world", "tp_dp", "tp_dp_cp", "tp_ep", "tp_ep_pp", "intra_dist_opt")] == [0, 1, 2, 3]
-    assert distinct[("dp", "dp_cp", "ep", "dp_gloo", "dp_cp_gloo")] == [1, 3]
+    assert distinct[("dp", "dp_cp", "ep", "intra_dp_cp", "dp_gloo", "dp_cp_gloo")] == [1, 3]
     named = [n for names, _ in lay.distinct_groups_of(1) for n in names]
     assert sorted(named) == sorted(n for n in GROUP_NAMES if n not in ("inter_dist_opt",))
 
@@ -119,6 +122,7 @@ _DESC = {
     "HIERARCHICAL_EXPERT_DATA_PARALLEL_GROUP_L0": "intra_edp",
     "HIERARCHICAL_EXPERT_DATA_PARALLEL_GROUP_L1": "inter_dist_opt",
     "INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP": "intra_dist_opt",
+    "INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP": "intra_dp_cp",
 }
 
 
@@ -143,6 +147,7 @@ def _megatron_groups(monkeypatch: pytest.MonkeyPatch, world: int, **sizes: objec
         finally:
             ps.destroy_model_parallel()
     made.setdefault("intra_edp", made["edp"])  # one instance: Megatron reuses the edp group
+    made.setdefault("intra_dp_cp", made["dp_cp"])  # ... and the dp_cp group
     return made
 
 
@@ -226,3 +231,24 @@ def test_the_largest_world_is_constant_time() -> None:
     assert time.perf_counter() - start < 1.0
     with pytest.raises(UsageError, match="larger than 2147483647"):
         build_layout(MAX_WORLD_SIZE + 1)
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(st.data())
+def test_a_chunk_is_the_run_of_consecutive_ranks_it_names(data: st.DataObject) -> None:
+    # The intra-instance dp_cp group: megatron slices each dp-cp group's ascending ranks into equal runs.
+    sizes = data.draw(st.lists(st.sampled_from([2, 3, 4]), min_size=1, max_size=3))
+    dims, stride = [], data.draw(st.sampled_from([1, 2]))
+    for n in sizes:
+        dims.append((stride, n))
+        stride *= n * data.draw(st.sampled_from([1, 2]))  # digits that never overlap, with or without gaps
+    rs = RankSet.of(data.draw(st.integers(0, 5)), dims)
+    ranks = list(rs)
+    size = data.draw(st.sampled_from([d for d in range(1, rs.size + 1) if rs.size % d == 0]))
+    for index in range(rs.size // size):
+        try:
+            got = chunk(rs, size, index)
+        except UsageError:  # not a box of the dims (e.g. 3 ranks of 2 x 3): megatron's layouts never ask it
+            assert any(size % n and n % size and size < rs.size for _, n in rs.dims), (rs, size)
+            return
+        assert list(got) == ranks[index * size:(index + 1) * size], (rs, size, index)

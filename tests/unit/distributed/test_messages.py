@@ -39,3 +39,30 @@ def test_the_plan_warms_the_job_sizes_only_when_asked() -> None:
     assert sized(["tiny"]) == [("warm:barrier", 0), ("warm:all_reduce", 0)]
     assert sized(["tiny", "job"]) == [("warm:barrier", 0), ("warm:all_reduce", 0), ("warm:all_reduce", 4356)]
     assert sized(["job"]) == [("warm:all_reduce", 4356)]
+
+
+def test_used_groups_follow_the_kind_and_the_layout() -> None:
+    from lifecycle.distributed.messages import requested_groups, used_groups
+    from lifecycle.distributed.names import GROUP_NAMES
+
+    def used(policy: dict[str, Any], world: int | None = None) -> list[str]:
+        got = used_groups(validate(policy), world)
+        assert got is not None and got == [n for n in GROUP_NAMES if n in got]  # the canonical order
+        return sorted(got)
+
+    assert used({"train": {"kind": "synthetic"}}) == ["dp", "world"]
+    moe = {"train": {"kind": "megatron_gpt"}, "parallelism": {"ep": 2}}
+    assert used(moe, 4) == sorted(["world", "dp", "tp", "dp_cp", "mp", "tp_ep", "ep", "edp", "tp_ep_pp"])
+    # the distributed optimizer reduces in its instance's groups; an expert dp of one rank is never reduced over
+    dist_opt = {"train": {"kind": "megatron_gpt", "options": {"use_distributed_optimizer": True}},
+                "parallelism": {"ep": 2, "dist_opt_instances": 2}}
+    assert used(dist_opt, 4) == sorted(["world", "dp", "tp", "intra_dp_cp", "intra_dist_opt", "inter_dist_opt",
+                                        "tp_ep", "ep", "intra_edp"])
+    pipeline = {"train": {"kind": "megatron_gpt"}, "parallelism": {"tp": 2, "pp": 2, "ep": 1}}
+    assert used(pipeline, 4) == sorted(["world", "dp", "tp", "dp_cp", "mp", "pp", "tp_cp", "tp_ep", "etp"])
+    # warmup.groups: used asks exactly those, in the canonical order; all names when the kind's are not known
+    asked = validate({**moe, "warmup": {"groups": "used"}})
+    assert requested_groups(asked, 4) == [n for n in GROUP_NAMES if n in used(moe, 4)]
+    # a plugin kind (installed by a package): its collectives are unknown, so every group is warmed
+    own = asked.model_copy(update={"train": asked.train.model_copy(update={"kind": "plugin_kind"})})
+    assert used_groups(own) is None and requested_groups(own) == list(GROUP_NAMES)

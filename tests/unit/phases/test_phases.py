@@ -69,6 +69,21 @@ def test_warmup_sends_the_job_sized_messages_after_the_tiny_ops(make_ctx: MakeCt
     assert ctx.op_counts["world=dp"] == 3
 
 
+def test_warmup_records_what_each_group_cost_and_stops_at_the_one_past_the_budget(make_ctx: MakeCtx) -> None:
+    ctx = _init(make_ctx())
+    WarmupPhase().run(ctx)
+    ctx.events.flush()
+    mem = [e for e in read_events(ctx.run_dir)[0] if e["name"] == "comm_memory"]
+    assert len(mem) == 1 and mem[0]["source"] == "rss" and set(mem[0]["groups"]) == {"world=dp"}
+    assert mem[0]["groups"]["world=dp"]["measured_bytes"] >= 0 and mem[0]["total_bytes"] >= 0
+    assert mem[0]["groups"]["world=dp"]["estimate_bytes"] == 0  # one rank: no peer, no buffers
+    # a group that takes more than the budget (a drill holds 64 MiB in its warm op) fails warmup, named
+    held = make_ctx({"distributed": {"comm_memory_budget_gib": 0.03},
+                     "faults": [{"at": "warmup", "ranks": [0], "action": "hold_memory", "mib": 64, "group": "world"}]})
+    with pytest.raises(PhaseError, match=r"warming group world=dp took this rank's communicator memory to 6\d\.\d MiB"):
+        WarmupPhase().run(_init(held))
+
+
 def test_warmup_fails_on_a_required_group_the_layout_lacks(make_ctx: MakeCtx) -> None:
     ctx = _init(make_ctx({"warmup": {"required": ["tp"]}}))
     with pytest.raises(PhaseError, match="required group 'tp' does not exist"):

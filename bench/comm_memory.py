@@ -60,7 +60,7 @@ def main() -> None:
               f"({len(used['groups'])} / {len(full['groups'])} communicators warmed)")
         report[str(world)] = {"all": full, "used": used}
     print("\nNCCL estimate (lifecycle explain --json, distributed.backend=nccl, 8 ranks per node), worst rank:")
-    for world, ep in ((16, 4), (64, 8)):
+    for world, ep in ((16, 4), (64, 4)):
         bills = {}
         for groups in ("all", "used"):
             cmd = [sys.executable, "-m", "lifecycle", "explain", "--json", "--world-size", str(world),

@@ -79,6 +79,8 @@ class RunContext:
     parallel: ParallelState
     """The model-parallel backend (Megatron's ``parallel_state`` in a real run)."""
     attempt: int = 1
+    started_attempt: bool = False
+    """Rank 0 recorded this attempt's start in the restart ledger (at init): it records the end too."""
     """Which run of the same command in the same run directory this is (1 for a new run)."""
     store: Store | None = None
     """The default group's store (set by init); barriers and checkpoint agreement use it."""

@@ -19,6 +19,7 @@ class ExitCode:
     HANG = 3  # the watchdog detected a hang
     RANK_FAILED = 4  # a rank raised or died
     TEARDOWN_DEADLINE = 5  # teardown hit its hard deadline and the process exited by force
+    NO_PROGRESS = 6  # attempts in a row failed without committing a newer checkpoint: not restarting
 
 
 class LifecycleError(Exception):
@@ -116,6 +117,11 @@ class SequenceMismatch(PhaseError):
         self.ranks = sorted(set(ranks or []))
 
 
+class NoProgress(LifecycleError):
+    """``restart.max_no_progress`` attempts in a row failed before committing a checkpoint newer than the one they
+    started from: this attempt refuses to start (``exit_codes.no_progress``), so no launcher restarts it forever."""
+
+
 class RunDirError(UsageError):
     """A file of a run or checkpoint directory cannot be used (not a regular file, too large, unreadable);
     ``path`` names it. Exit 2: the folder's content is wrong, not the job."""
@@ -144,6 +150,9 @@ class PolicyExitCodes(Protocol):
     @property
     def rank_failed(self) -> int: ...
 
+    @property
+    def no_progress(self) -> int: ...
+
 
 def exit_code(exc: BaseException, codes: PolicyExitCodes | None = None) -> int:
     """The one place a process's exit code comes from when it ends with ``exc``: 2 for the user's input (policy,
@@ -153,6 +162,8 @@ def exit_code(exc: BaseException, codes: PolicyExitCodes | None = None) -> int:
         return ExitCode.USAGE
     if isinstance(exc, HangError | SequenceMismatch):
         return codes.hang if codes is not None else ExitCode.HANG
+    if isinstance(exc, NoProgress):
+        return codes.no_progress if codes is not None else ExitCode.NO_PROGRESS
     return codes.rank_failed if codes is not None else ExitCode.RANK_FAILED
 
 

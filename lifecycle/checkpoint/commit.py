@@ -205,10 +205,19 @@ def _fence(ctx: RunContext, step: int) -> None:
                          f"the trackers)", phase="checkpoint", rank=ctx.rank)
 
 
+def _learned(ctx: RunContext, folder: Path, sha256: dict[str, str] | None) -> None:
+    """Rank 0: the watchdog's learned state into the folder being committed (digested with the rest)."""
+    from lifecycle.checkpoint import learned
+
+    if learned.write(ctx, folder) and sha256 is not None:
+        sha256[learned.NAME] = ckptdir.digest(folder / learned.NAME)
+
+
 def _commit(ctx: RunContext, pending: PendingSave, sha256: dict[str, str] | None) -> None:
     """Rank 0: manifest, rename into place, tracker, prune. Each step keeps the tracker's invariant."""
     _fence(ctx, pending.step)
     root = pending.final.parent
+    _learned(ctx, pending.tmp, sha256)
     ckptdir.write_manifest(pending.tmp, sha256)
     ckptdir.fsync_dir(pending.tmp)
     tracked = ckptdir.read_tracker(root).name
@@ -274,6 +283,8 @@ class TrainerSave:
             sha256 = digest_shares(ctx, path, key, self.deadline) if path is not None else None
             if path is not None and ctx.rank == 0:
                 _fence(ctx, self.step)
+                if path.is_dir():
+                    _learned(ctx, path, sha256)
                 _commit_folder(path, self.step, sha256)
             with ctx.events.span("barrier:ckpt_committed", group="world", via="store"):
                 store_barrier(ctx.require_store(), f"{key}/committed", ctx.rank, _all_ranks(ctx), self.deadline,

@@ -34,8 +34,10 @@ class Drills:
     """The policy's drills for one rank."""
 
     def __init__(self, faults: list[FaultDrill], rank: int, *, on_fire: Callable[[FaultDrill], None] | None = None,
-                 crash_code: int = CRASH_EXIT_CODE) -> None:
+                 crash_code: int = CRASH_EXIT_CODE, attempt: int = 1) -> None:
         self.rank = rank
+        self.attempt = attempt
+        """This rank's attempt (agreed at init): a drill with ``attempts`` fires only in those."""
         self.crash_code = crash_code
         self.pending = [f for f in faults if rank in f.ranks]
         # slow drills in train act at every step from their step on: kept apart from the fire-once drills (a slow
@@ -46,13 +48,14 @@ class Drills:
         self.held: list[bytes] = []
         """What hold_memory drills hold, for the life of the process."""
         self.on_fire = on_fire
-        if self.pending or self.slow:
+        armed = [f for f in [*self.pending, *self.slow] if in_attempt(f, attempt)]
+        if armed:
             log.warning("FAULT DRILLS ARMED on rank %d: %s", rank,
                         "; ".join(f"{f.action} at {f.at}" + (f" step {f.step}" if f.step is not None else "")
-                                  for f in [*self.pending, *self.slow]))
+                                  for f in armed))
 
     def _match(self, f: FaultDrill, phase: str, step: int | None, op: str | None, group: str | None) -> bool:
-        if f.at != phase:
+        if f.at != phase or not in_attempt(f, self.attempt):
             return False
         if f.steps and f.steps[0] != step:
             return False
@@ -66,7 +69,7 @@ class Drills:
         """Extra seconds of compute this rank adds to train ``step`` (``slow`` drills, from their step on)."""
         total = 0.0
         for i, f in enumerate(self.slow):
-            if f.seconds is not None and step >= (f.step or 1):
+            if f.seconds is not None and step >= (f.step or 1) and in_attempt(f, self.attempt):
                 if i not in self._slow_started:
                     self._slow_started.add(i)
                     log.warning("FAULT DRILL: slow (+%gs per step) on rank %d from step %d", f.seconds, self.rank,
@@ -111,15 +114,20 @@ class Drills:
         return f.action == "skip"
 
 
-def zero_token_drills(faults: Sequence[FaultDrill]) -> list[FaultDrill]:
-    """The policy's ``zero_tokens`` drills (all ranks', not only this rank's)."""
-    return [f for f in faults if f.action == "zero_tokens"]
+def in_attempt(f: FaultDrill, attempt: int) -> bool:
+    """Whether drill ``f`` acts in ``attempt`` (``attempts``; null: every attempt)."""
+    return f.attempts is None or attempt in f.attempts
 
 
-def starved_ranks(faults: Sequence[FaultDrill], step: int) -> list[int]:
+def zero_token_drills(faults: Sequence[FaultDrill], attempt: int = 1) -> list[FaultDrill]:
+    """The policy's ``zero_tokens`` drills of ``attempt`` (all ranks', not only this rank's)."""
+    return [f for f in faults if f.action == "zero_tokens" and in_attempt(f, attempt)]
+
+
+def starved_ranks(faults: Sequence[FaultDrill], step: int, attempt: int = 1) -> list[int]:
     """Global ranks whose local experts get no token at train ``step``: the same on every rank. Local."""
     out: set[int] = set()
-    for f in zero_token_drills(faults):
+    for f in zero_token_drills(faults, attempt):
         if (step in f.steps) if f.steps else (f.step is not None and step >= f.step):
             out.update(f.ranks)
     return sorted(out)

@@ -37,6 +37,11 @@ class StepContext(Protocol):
         ...
 
     @property
+    def attempt(self) -> int:
+        """The attempt of the run (1: the first launch; each restart or re-run is the next), agreed at init."""
+        ...
+
+    @property
     def policy(self) -> Policy:
         """The validated policy (the kind's options are ``policy.train.options``)."""
         ...

@@ -24,7 +24,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lifecycle.errors import PolicyError, PolicyIssue, UsageError
+from lifecycle.distributed.ranks import fmt_ranks
+from lifecycle.errors import ExitCode, PolicyError, PolicyIssue, UsageError
+from lifecycle.jsontypes import JsonDict
 
 if TYPE_CHECKING:
     from lifecycle.launch.rundir import RunLock
@@ -126,17 +128,53 @@ def launch(policy: Policy, nproc: int, *, overrides: Sequence[str] = ()) -> int:
 
 
 def _launch(policy: Policy, nproc: int, run_dir: Path, overrides: Sequence[str]) -> int:
-    from lifecycle import safeio
-    from lifecycle.launch import preflight as checks
+    """Attempts in ``run_dir`` until one succeeds, ``restart.max_restarts`` are spent, a failure that a restart
+    cannot fix (a usage error, a stop the launcher was asked for) or ``restart.max_no_progress`` attempts in a row
+    without a newer checkpoint (``exit_codes.no_progress``). Each restart is the next attempt: it resumes from the
+    last committed checkpoint."""
     from lifecycle.launch import rundir
-    from lifecycle.launch.local import launch_local
-    from lifecycle.obs import summary
-    from lifecycle.policy.load import write_resolved
 
     if rundir.holds_run(run_dir) and policy.checkpoint.resume == "never":
         raise UsageError(f"run directory {run_dir} already holds a run and checkpoint.resume=never; pick another "
                          f"run.name/run.id, remove it, or set checkpoint.resume=auto to continue it")
     preflight(policy, nproc, ranks_per_node=nproc)
+    left = policy.restart.max_restarts
+    while True:
+        refused = _refusal(policy, run_dir)
+        if refused is not None:
+            print(f"lifecycle: {refused}", file=sys.stderr, flush=True)
+            return policy.teardown.exit_codes.no_progress
+        code, info, stopped = _attempt(policy, nproc, run_dir, overrides)
+        if code == 0 or left == 0 or stopped or code in (ExitCode.USAGE, policy.teardown.exit_codes.no_progress):
+            return code
+        left -= 1
+        done = policy.restart.max_restarts - left
+        blame = info.get("blame") or {}
+        who = (f"ranks {fmt_ranks(blame['ranks'])} ({blame.get('cause')} in phase {blame.get('phase')})"
+               if blame.get("ranks") else str(info.get("outcome", f"exit {code}")))
+        print(f"restart  attempt {info.get('attempt')} failed (exit {code}): {who}; restart {done} of "
+              f"{policy.restart.max_restarts}: the next attempt resumes from the last committed checkpoint",
+              flush=True)
+
+
+def _refusal(policy: Policy, run_dir: Path) -> str | None:
+    """The launcher's no-progress verdict before it starts the next attempt (rank 0 gives the same at init)."""
+    from lifecycle.launch import restarts
+    from lifecycle.policy.load import sha256
+
+    return restarts.refusal(run_dir, restarts.tracker_step(policy.checkpoint.dir), sha256(policy),
+                            policy.restart.max_no_progress)
+
+
+def _attempt(policy: Policy, nproc: int, run_dir: Path, overrides: Sequence[str]) -> tuple[int, JsonDict, bool]:
+    """One attempt: its files, its ranks, its summary. (exit code, summary, whether the launcher was stopped)."""
+    from lifecycle import safeio
+    from lifecycle.launch import preflight as checks
+    from lifecycle.launch import restarts, rundir
+    from lifecycle.launch.local import launch_local
+    from lifecycle.obs import summary
+    from lifecycle.policy.load import write_resolved
+
     attempt = rundir.archive_attempt(run_dir)
     checks.mark_owner(run_dir)
     write_resolved(policy, run_dir)
@@ -149,6 +187,7 @@ def _launch(policy: Policy, nproc: int, run_dir: Path, overrides: Sequence[str])
         # A rank killed by a signal (kill -9, the OOM killer) died: the policy's code for that, not 128+N (the
         # signal stays in the outcome line and the summary).
         result = dataclasses.replace(result, exit_code=policy.teardown.exit_codes.rank_failed)
+    restarts.record_end(run_dir, attempt, int(result.exit_code))
     info = summary.build(run_dir, result)
     try:
         summary.write(run_dir, info)
@@ -157,7 +196,7 @@ def _launch(policy: Policy, nproc: int, run_dir: Path, overrides: Sequence[str])
               flush=True)
     print(summary.render(info), flush=True)
     _timeline(run_dir)
-    return int(result.exit_code)
+    return int(result.exit_code), info, result.stopped_by is not None
 
 
 END_OF_JOB_TIMELINE_BYTES = 32 << 20

@@ -86,7 +86,7 @@ def build_context(policy: Policy, run_dir: Path, rank: int, world: int, local_ra
     events.instant("attempt", attempt=attempt, world_size=world)
     return RunContext(policy, run_dir, rank, world, local_rank, events,
                       Drills(policy.faults, rank, on_fire=lambda f: _drill_fired(events, f),
-                             crash_code=policy.teardown.exit_codes.rank_failed),
+                             crash_code=policy.teardown.exit_codes.rank_failed, attempt=attempt),
                       parallel, attempt=attempt)
 
 

@@ -164,6 +164,10 @@ class Orchestrator:
     def _finish(self, code: int) -> None:
         ctx = self.ctx
         self._end_current()
+        if ctx.rank == 0 and ctx.started_attempt:
+            from lifecycle.launch import restarts
+
+            restarts.record_end(ctx.run_dir, ctx.attempt, code)
         ctx.events.instant("exit", exit_code=code, step=ctx.step, saved=ctx.saved or None,
                            resumed_from=ctx.resumed_from, stop_step=ctx.stop.stop_step,
                            warmup_s=ctx.warmup_s or None)

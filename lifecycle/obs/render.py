@@ -70,7 +70,10 @@ def render(s: dict[str, Any]) -> str:
     for a in s.get("earlier_attempts") or []:
         lines.append(f"earlier  attempt {a['attempt']}: {a.get('outcome') or '?'}"
                      + (f" -> exit {a['exit_code']}" if a.get("exit_code") is not None else "")
-                     + (f", last step {a['last_step']}" if a.get("last_step") is not None else ""))
+                     + (f", resumed from step {a['resumed_from']}" if a.get("resumed_from") is not None else "")
+                     + (f", last step {a['last_step']}" if a.get("last_step") is not None else "")
+                     + (f"; next attempt's first step {a['restart_s']:.1f}s after the failure"
+                        if a.get("restart_s") is not None else ""))
     if "outcome" in s:
         lines.append(f"outcome  {s['outcome']} -> exit {s['exit_code']} in {s['wall_s']}s")
     b = s.get("blame")

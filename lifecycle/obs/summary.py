@@ -166,6 +166,40 @@ def comm_memory(events: dict[int, list[dict[str, Any]]]) -> dict[str, Any] | Non
             "max_total_rank": worst, "groups": groups}
 
 
+def _first_step_t(events_file: Path) -> float | None:
+    """Wall time (seconds) of the first step's end in a rank's events file (read line by line, up to it)."""
+    try:
+        with safeio.open_regular(events_file) as f:
+            for raw in f:
+                try:
+                    e = json.loads(raw)
+                except (ValueError, RecursionError):
+                    continue
+                if isinstance(e, dict) and e.get("name") == "step" and e.get("kind") == "end":
+                    return float(e["t"]) / 1e6
+    except (OSError, safeio.RunDirError, KeyError, TypeError, ValueError):
+        return None
+    return None
+
+
+def _with_restart_times(run_dir: Path, earlier: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each earlier attempt with ``restart_s``: from its failure (its first end record in the restart ledger) to
+    the first step of the attempt after it, when both are known."""
+    from lifecycle.launch import restarts
+    from lifecycle.launch.rundir import ATTEMPTS_DIR, events_file
+
+    ended = {a.number: a.ended_at for a in restarts.read(run_dir)}
+    numbers = [int(a["attempt"]) for a in earlier]
+    for info in earlier:
+        n = int(info["attempt"])
+        nxt = n + 1
+        folder = Path(run_dir) / ATTEMPTS_DIR / str(nxt) if nxt in numbers else Path(run_dir)
+        first = _first_step_t(events_file(folder, 0))
+        if ended.get(n) is not None and first is not None and info.get("exit_code") not in (None, 0):
+            info["restart_s"] = round(first - float(ended[n] or 0.0), 3)
+    return earlier
+
+
 def build(run_dir: Path, launch: Any | None = None) -> dict[str, Any]:
     """Aggregate a run directory's events into the summary (a failed run gets one too)."""
     events = {r: valid_events(evs) for r, evs in read_events(run_dir).items()}
@@ -202,7 +236,7 @@ def build(run_dir: Path, launch: Any | None = None) -> dict[str, Any]:
         "nccl_env_differs_on_ranks": sorted(r for r, evs in events.items()
                                             if (_last(evs, "nccl_env") or {}).get("env")
                                             != (_last(rank0, "nccl_env") or {}).get("env")) or None,
-        "earlier_attempts": earlier_attempts(run_dir),
+        "earlier_attempts": _with_restart_times(run_dir, earlier_attempts(run_dir)),
         "comm_memory": comm_memory(events),
         "unwarmed_groups": {r: e["unwarmed"] for r, evs in events.items()
                             if (e := _last(evs, "groups_used")) and e.get("unwarmed")} or None,
@@ -211,6 +245,16 @@ def build(run_dir: Path, launch: Any | None = None) -> dict[str, Any]:
         summary.update(exit_code=launch.exit_code, outcome=launch.describe(), wall_s=round(launch.wall_s, 2),
                        first_failure=launch.first_failure, failed_phase=launch.phase)
     summary["blame"] = blame(run_dir, summary)
+    b = summary["blame"]
+    if launch is not None and b and b.get("source") != "launcher" and b.get("ranks") \
+            and b["ranks"] != [launch.first_failure]:
+        # One verdict for the outcome line, the timeline's title and a restart: the watchdog's, not the first rank
+        # to leave (under a hang that is usually a healthy rank that reported it).
+        from lifecycle.distributed.ranks import fmt_ranks
+
+        who = f"rank{'s' if len(b['ranks']) > 1 else ''} {fmt_ranks(b['ranks'])}"
+        summary["outcome"] = (f"{who} {b.get('cause')} in phase {b.get('phase')} (the watchdog's verdict); "
+                              + launch.describe().replace("failed first", "exited first"))
     return summary
 
 

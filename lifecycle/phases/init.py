@@ -8,12 +8,14 @@ import os
 import time
 from typing import TYPE_CHECKING
 
-from lifecycle.errors import PhaseError, PolicyError
+from lifecycle.errors import NoProgress, PhaseError, PolicyError
 from lifecycle.phases.base import Action, GroupView, barrier_actions, sequence_check
 from lifecycle.phases.points import run_points
 from lifecycle.policy.checks import world_issues
 
 if TYPE_CHECKING:
+    from torch.distributed import Store
+
     from lifecycle.context import RunContext
     from lifecycle.policy.schema import Policy
 
@@ -81,8 +83,8 @@ class InitPhase:
             Action("import:backend", None, None, "the backend's imports, before the rendezvous"),
             Action("init_process_group", "world", dl, f"backend={policy.distributed.backend}, env://"),
             Action("initialize_model_parallel", "world", dl, layout),
-            Action("check_policy_hash", "world", dl, "all_gather of the resolved policy's sha256 and each rank's "
-                   "attempt number (the newest is agreed)"),
+            Action("check_policy_hash", "world", dl, "all_gather of the resolved policy's sha256, each rank's "
+                   "attempt number (the newest is agreed) and rank 0's restart verdict (restart.max_no_progress)"),
             *barrier_actions(policy, "after_init", dl),
             *sequence_check(policy, "init -> warmup"),
         ]
@@ -122,8 +124,11 @@ class InitPhase:
         ctx.drills.fire("init", op="init_process_group")
         with ctx.events.span("init_process_group", group="world", backend=backend, adopted=adopted or None):
             if not adopted:
-                dist.init_process_group(backend, timeout=datetime.timedelta(seconds=ctx.deadline("init")),
-                                        rank=ctx.rank, world_size=ctx.world_size, **kwargs)
+                timeout = datetime.timedelta(seconds=ctx.deadline("init"))
+                restarted = restart_store(timeout)
+                if restarted is not None:
+                    kwargs["store"] = restarted
+                dist.init_process_group(backend, timeout=timeout, rank=ctx.rank, world_size=ctx.world_size, **kwargs)
         ctx.store = get_store()
 
     def _model_parallel(self, ctx: RunContext) -> None:
@@ -142,7 +147,9 @@ class InitPhase:
         from lifecycle.policy.load import sha256
 
         digest = sha256(ctx.policy)
-        payload = bytes.fromhex(digest) + min(ctx.attempt, 1 << 31).to_bytes(4, "little")
+        refused = _no_progress(ctx, digest) if ctx.rank == 0 else None
+        payload = (bytes.fromhex(digest) + min(ctx.attempt, 1 << 31).to_bytes(4, "little")
+                   + (b"\x01" if refused else b"\x00"))
         mine = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device_for())
         out = [torch.zeros_like(mine) for _ in range(ctx.world_size)]
         ctx.drills.fire("init", op="check_policy_hash", group="world")
@@ -153,13 +160,45 @@ class InitPhase:
         ctx.op_counts["world"] += 1
         rows = [bytes(t.cpu().tolist()) for t in out]
         digests = [row[:32].hex() for row in rows]
-        _agree_attempt(ctx, [int.from_bytes(row[32:], "little") for row in rows])
+        _agree_attempt(ctx, [int.from_bytes(row[32:36], "little") for row in rows])
+        if rows[0][36]:
+            raise NoProgress(refused or "rank 0 refused to start this attempt: restart.max_no_progress attempts in a "
+                             f"row failed without committing a newer checkpoint (see {ctx.run_dir}/restarts.jsonl)",
+                             phase="init", rank=ctx.rank)
+        if ctx.rank == 0:
+            from lifecycle.launch import restarts
+
+            restarts.record_start(ctx.run_dir, ctx.attempt, restarts.tracker_step(ctx.policy.checkpoint.dir), digest)
+            ctx.started_attempt = True
         majority = max(set(digests), key=digests.count)
         differ = [r for r, d in enumerate(digests) if d != majority]
         if differ:
             raise PhaseError(f"the resolved policy differs between ranks: ranks {differ} have another sha256 "
                              f"than the majority ({majority[:12]}); launch every rank with the same policy and "
                              f"overrides", phase="init", rank=ctx.rank, group="world")
+
+
+def restart_store(timeout: datetime.timedelta) -> Store | None:
+    """Under torchrun's restarts (``--max-restarts``) the agent's store outlives the ranks, with the keys the last
+    round's ranks wrote: a rank of the next round could read a dead peer's gloo address and fail to connect ("Connection
+    refused"). From the first restart on, the default group's store is that store under a prefix of the round.
+    None otherwise (torch's own env:// rendezvous)."""
+    import torch.distributed as dist
+
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if restart in ("", "0") or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                           timeout=timeout)
+    return dist.PrefixStore(f"lifecycle/restart/{restart}", client)
+
+
+def _no_progress(ctx: RunContext, digest: str) -> str | None:
+    """Rank 0: the line this attempt refuses to start with (``restart.max_no_progress``), or None."""
+    from lifecycle.launch import restarts
+
+    return restarts.refusal(ctx.run_dir, restarts.tracker_step(ctx.policy.checkpoint.dir), digest,
+                            ctx.policy.restart.max_no_progress)
 
 
 def _agree_attempt(ctx: RunContext, attempts: list[int]) -> None:
@@ -181,3 +220,4 @@ def _agree_attempt(ctx: RunContext, attempts: list[int]) -> None:
     if agreed != ctx.attempt:
         ctx.events.instant("attempt", attempt=agreed, counted=ctx.attempt, world_size=ctx.world_size)
         ctx.attempt = agreed
+        ctx.drills.attempt = agreed

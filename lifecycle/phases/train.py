@@ -325,7 +325,14 @@ class TrainPhase:
 
 
 def after_resume(ctx: RunContext) -> None:
-    """The first step after a resume runs with the static deadline (adaptive models start over)."""
+    """After a resume the adaptive deadlines continue from what the checkpoint saved (its first step is not a
+    sample: caches are cold); without a saved state, or at another layout, the first step runs with the static one
+    (:mod:`lifecycle.checkpoint.learned`)."""
     if ctx.resumed_from is not None:
+        from pathlib import Path
+
+        from lifecycle.checkpoint import ckptdir, learned
+
         for model in ctx.adaptive.values():
             model.after_resume()
+        learned.load(ctx, Path(ctx.policy.checkpoint.dir) / ckptdir.iter_name(ctx.resumed_from))

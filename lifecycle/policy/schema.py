@@ -129,13 +129,26 @@ class ExitCodes(Section):
     """A rank raised or died."""
     teardown_deadline: int = Field(5, ge=1, le=255)
     """Teardown hit its hard deadline."""
+    no_progress: int = Field(6, ge=1, le=255)
+    """restart.max_no_progress attempts in a row failed without committing a newer checkpoint: not restarting (a
+    batch script must not requeue on it)."""
 
     @model_validator(mode="after")
     def _distinct(self) -> ExitCodes:
-        codes = [self.hang, self.rank_failed, self.teardown_deadline]
-        if len(set(codes)) != 3 or 2 in codes:
-            raise ValueError("exit codes hang, rank_failed, teardown_deadline must be distinct and not 2 (usage)")
+        codes = [self.hang, self.rank_failed, self.teardown_deadline, self.no_progress]
+        if len(set(codes)) != 4 or 2 in codes:
+            raise ValueError("exit codes hang, rank_failed, teardown_deadline, no_progress must be distinct and not 2 "
+                             "(usage)")
         return self
+
+
+class RestartConfig(Section):
+    max_restarts: int = Field(0, ge=0, le=1000)
+    """`lifecycle run`: how many times a failed attempt is followed by the next one in the same run directory (it
+    resumes from the last committed checkpoint). torchrun --max-restarts and a SLURM requeue restart the same way."""
+    max_no_progress: int = Field(3, ge=0, le=1000)
+    """Attempts in a row that failed without committing a checkpoint newer than the one they started from, after
+    which the next attempt refuses to start (exit_codes.no_progress), whoever launches it; 0: never refuse."""
 
 
 class TeardownConfig(Section):
@@ -219,6 +232,9 @@ class FaultDrill(Section):
     """Train step it fires at (train and checkpoint phases only)."""
     ranks: list[NonNegativeInt] = Field(min_length=1)
     """Global ranks the drill fires on."""
+    attempts: list[PositiveInt] | None = None
+    """The attempts of the run it fires in (1: the first launch; each restart or re-run is the next); null: every
+    attempt. [1] rehearses a fault the restart recovers from."""
     action: Literal["stall", "crash", "raise", "signal", "skip", "zero_tokens", "slow", "hold_memory"]
     """stall: sleep forever; crash: os._exit; raise: an exception; signal: SIGTERM to itself; skip: skip a collective;
     zero_tokens: the routers send no token to these ranks' local experts, at every step from `step` on (or at `steps`);
@@ -284,6 +300,8 @@ class Policy(Section):
     """How the job exits, cleanly or after a failure."""
     watchdog: WatchdogConfig = WatchdogConfig()
     """Deadlines per phase and what happens when one passes."""
+    restart: RestartConfig = RestartConfig()
+    """Restarts after a failure, and when to stop restarting."""
     faults: list[FaultDrill] = Field(default_factory=list)
     """Fault drills; empty by default."""
 
@@ -415,6 +433,10 @@ def cross_field_issues(p: Policy) -> list[PolicyIssue]:
         issues.append(PolicyIssue("moe.zero_token.action", "the model has no experts (train.options."
                                   "num_experts=0); set it to off", p.moe.zero_token.action))
     issues.extend(_fault_issues(p))
+    if p.restart.max_restarts and p.checkpoint.resume == "never":
+        issues.append(PolicyIssue("restart.max_restarts", "a restart resumes from the last committed checkpoint, "
+                                  "which checkpoint.resume=never forbids; set checkpoint.resume=auto or no restarts",
+                                  p.restart.max_restarts))
     if "inter_dist_opt" in p.warmup.required and p.parallelism.dist_opt_instances == 1:
         issues.append(PolicyIssue("warmup.required", "names inter_dist_opt, which megatron creates only with "
                                   "parallelism.dist_opt_instances > 1; raise the instances or drop the group",

@@ -65,6 +65,7 @@ class AdaptiveDeadline:
         self._agreed: float | None = None
         self._agreed_text = ""
         self._skip_next = False
+        self._restored = ""
         self._lock = threading.Lock()
 
     def observe(self, seconds: float) -> None:
@@ -108,6 +109,32 @@ class AdaptiveDeadline:
         with self._lock:
             self._skip_next = True
             self._agreed = None
+
+    def state(self) -> dict[str, float | int | list[float] | None]:
+        """What was learned (the recent window, the observations seen, the agreed value): saved with each
+        committed checkpoint, so the next attempt starts from it (:meth:`restore`)."""
+        with self._lock:
+            return {"samples": [round(x, 6) for x in self._samples], "seen": self._seen, "agreed": self._agreed,
+                    "static_s": self.static_s}
+
+    def restore(self, state: dict[str, object], source: str) -> bool:
+        """Continue from a saved :meth:`state` (every rank loads the same one): the window, the count and the
+        agreed deadline, clamped to this policy's floor and ceiling; it applies from the next step on. False (and
+        nothing changes) when the state is not usable."""
+        samples, seen, agreed = state.get("samples"), state.get("seen"), state.get("agreed")
+        if not isinstance(samples, list) or not isinstance(seen, int) or not (
+                agreed is None or isinstance(agreed, int | float)):
+            return False
+        values = [float(x) for x in samples if isinstance(x, int | float) and math.isfinite(x) and x >= 0]
+        with self._lock:
+            self._samples.clear()
+            self._samples.extend(values[-(self._samples.maxlen or len(values)):])
+            self._seen = max(seen, len(self._samples))
+            self._agreed = None if agreed is None else min(max(float(agreed), self.cfg.floor_s), self.static_s)
+            self._restored = source
+            if self._agreed is not None:
+                self._agreed_text = f"{self._agreed:.3g}s, restored from {source}"
+        return True
 
     def effective(self) -> float:
         with self._lock:

@@ -131,3 +131,7 @@ def test_a_frozen_rank_is_named_and_stays_the_culprit_after_the_launcher_thaws_i
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["blame"]["ranks"] == [1], summary["blame"]
     assert "blame    ranks 1 " in out, out[-3000:]
+    # One verdict: the outcome line (and so the timeline's title) names the frozen rank, not the first to exit.
+    if summary["first_failure"] != 1:
+        assert summary["outcome"].startswith("rank 1 ") and "(the watchdog's verdict); rank " in summary["outcome"]
+        assert f"outcome  {summary['outcome']}" in out, out[-3000:]

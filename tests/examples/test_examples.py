@@ -16,13 +16,14 @@ from tests.helpers import ROOT, run_cli
 EXAMPLES = ROOT / "examples"
 
 
-def _torchrun_example(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
+def _torchrun_example(tmp_path: Path, *overrides: str, restarts: int = 0) -> subprocess.CompletedProcess[str]:
     """examples/torchrun.sh with 2 ranks, the synthetic kind, a free rendezvous port and a run id of its own."""
     from tests._dist import free_port
 
     venv_bin = Path(os.sys.executable).parent
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{venv_bin}:{os.environ['PATH']}",
-           "RDZV_PORT": str(free_port()), "RUN_ID": f"example-{os.getpid()}-{tmp_path.name}"}
+           "RDZV_PORT": str(free_port()), "RUN_ID": f"example-{os.getpid()}-{tmp_path.name}",
+           "MAX_RESTARTS": str(restarts)}
     return subprocess.run(["bash", str(EXAMPLES / "torchrun.sh"), "2", *SYNTHETIC, *FAST, *overrides],
                           capture_output=True, text=True, timeout=110, env=env, cwd=tmp_path)
 
@@ -82,6 +83,29 @@ def test_torchrun_summary_names_the_failed_ranks_cause_and_code(tmp_path: Path) 
     # ... but its summary shows the rank's cause and lifecycle's exit code, from TORCHELASTIC_ERROR_FILE
     assert "lifecycle: DrillError on rank 1 in phase train -> exit code 4" in out, out[-3000:]
     assert "error_file: <N/A>" not in out.split("Root Cause")[-1]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(170)
+def test_torchrun_restarts_are_attempts_that_resume_and_stop_when_they_make_no_progress(tmp_path: Path) -> None:
+    # A crash in attempt 1 only: torchrun restarts the ranks, they count attempt 2, resume and finish.
+    run_dir = tmp_path / "a"
+    proc = _torchrun_example(tmp_path, f"run.dir={run_dir}", "train.steps=6", "checkpoint.every_steps=2",
+                             "+faults=[{at: train, step: 3, ranks: [1], action: crash, attempts: [1]}]", restarts=1)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "attempt 2: resumed from step 2" in out, out[-3000:]
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "iter_0000006"
+    # A crash in every attempt before any checkpoint: the third attempt refuses at init, on every rank, with the
+    # no-progress code (torchrun then has no restart left and ends with its own code, naming ours).
+    stuck = _torchrun_example(tmp_path, f"run.dir={tmp_path / 'b'}", "train.steps=6", "checkpoint.every_steps=5",
+                              "restart.max_no_progress=2", "+faults=[{at: train, step: 3, ranks: [1], action: crash}]",
+                              restarts=2)
+    out = stuck.stdout + stuck.stderr
+    assert stuck.returncode != 0 and "2 attempts in a row failed before committing a checkpoint at all" in out, \
+        out[-3000:]
+    assert "NoProgress on rank 0 in phase init -> exit code 6" in out, out[-3000:]
+    assert "step 1" not in (tmp_path / "b" / "events" / "rank_0.jsonl").read_text()
 
 
 def test_slurm_script_is_valid_bash() -> None:

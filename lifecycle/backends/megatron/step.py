@@ -72,7 +72,7 @@ class MegatronGPTStep(TorchDistCheckpoints):
     def _zero_token_drills(self, ctx: StepContext) -> None:
         from lifecycle.distributed.faults import zero_token_drills
 
-        if not zero_token_drills(ctx.policy.faults) or not self.o.num_experts:
+        if not zero_token_drills(ctx.policy.faults, ctx.attempt) or not self.o.num_experts:
             return
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
@@ -92,7 +92,7 @@ class MegatronGPTStep(TorchDistCheckpoints):
         if self.starve is not None:
             from lifecycle.distributed.faults import starved_ranks
 
-            self.starve.starved = starved_ranks(ctx.policy.faults, step)
+            self.starve.starved = starved_ranks(ctx.policy.faults, step, ctx.attempt)
         loss = train_step(self.state, step_batches(self.state.spec, step, self.dp_rank))
         ctx.count_op("step")
         if self.state.grad_norm is None:

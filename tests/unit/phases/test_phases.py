@@ -244,3 +244,36 @@ def test_hard_deadline_cancel_is_idempotent() -> None:
     d.cancel()
     d.cancel()
     assert fired == []
+
+
+def test_a_learned_deadline_is_restored_at_the_same_layout_and_recalibrated_at_another(make_ctx: MakeCtx,
+                                                                                     tmp_path: Path) -> None:
+    import json
+
+    from lifecycle.checkpoint import learned
+    from lifecycle.watchdog.adaptive import AdaptiveDeadline
+
+    ctx = make_ctx()
+    cfg = ctx.policy.watchdog.adaptive
+    ctx.adaptive["train"] = AdaptiveDeadline("train", 600.0, cfg)
+    for _ in range(cfg.calibration_steps):
+        ctx.adaptive["train"].observe(0.5)
+    ctx.adaptive["train"].agree(ctx.adaptive["train"].proposal())
+    folder = tmp_path / "iter_0000005"
+    folder.mkdir()
+    assert learned.write(ctx, folder)
+    again = make_ctx()
+    again.adaptive["train"] = AdaptiveDeadline("train", 600.0, cfg)
+    learned.load(again, folder)
+    assert again.deadline("train") == ctx.deadline("train") < 600
+    # the same file at world size 4 (another layout): the static deadline stays, and the event says why
+    data = json.loads((folder / learned.NAME).read_text())
+    data["layout"]["world_size"] = 4
+    (folder / learned.NAME).write_text(json.dumps(data))
+    other = make_ctx()
+    other.adaptive["train"] = AdaptiveDeadline("train", 600.0, cfg)
+    learned.load(other, folder)
+    assert other.deadline("train") == 600.0
+    other.events.flush()
+    [event] = [e for e in read_events(other.run_dir)[0] if e["name"] == "deadline"]
+    assert event["source"] == "static" and "was for world size 4" in event["how"] and "recalibrating" in event["how"]

@@ -107,3 +107,27 @@ def test_a_rank_is_judged_only_over_a_full_window() -> None:
                1: {"state": "running", "compute_s": 0.9, "compute_n": 3},
                2: {"state": "running", "compute_s": 0.05, "compute_n": 10}}
     assert det.check(records) == []
+
+
+def test_what_was_learned_survives_a_restart_clamped_to_this_policy() -> None:
+    from types import SimpleNamespace
+
+    from lifecycle.watchdog.adaptive import AdaptiveDeadline
+
+    cfg = SimpleNamespace(factor=4.0, quantile=0.99, window=5, floor_s=5.0, calibration_steps=3)
+    old = AdaptiveDeadline("train", 600.0, cfg)  # type: ignore[arg-type]
+    for x in (1.0, 2.0, 3.0, 4.0, 5.0, 6.0):
+        old.observe(x)
+    old.agree(old.proposal())
+    saved = old.state()
+    assert saved["samples"] == [2.0, 3.0, 4.0, 5.0, 6.0] and saved["seen"] == 6 and saved["agreed"] == old.effective()
+    new = AdaptiveDeadline("train", 600.0, cfg)  # type: ignore[arg-type]
+    new.after_resume()
+    assert new.restore(saved, "iter_0000005 (learned in attempt 1)")
+    assert new.effective() == old.effective() and new.calibrated()
+    assert "restored from iter_0000005" in new.derivation().text
+    # a lower ceiling in this policy caps the restored value; junk is refused and changes nothing
+    capped = AdaptiveDeadline("train", 10.0, cfg)  # type: ignore[arg-type]
+    assert capped.restore(saved, "x") and capped.effective() == 10.0
+    fresh = AdaptiveDeadline("train", 600.0, cfg)  # type: ignore[arg-type]
+    assert not fresh.restore({"samples": "no", "seen": 1, "agreed": None}, "x") and fresh.effective() == 600.0

@@ -1,0 +1,57 @@
+"""Restarts without a human (`restart.max_restarts`): the next attempt resumes with what the first one learned, and
+attempts that make no progress stop the restarts — real gloo ranks, the synthetic kind."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.distributed.runs import FAST, SYNTHETIC, lifecycle_run
+
+pytestmark = pytest.mark.distributed
+
+
+@pytest.mark.timeout(150)
+def test_a_crash_in_attempt_1_restarts_resumes_with_the_learned_deadline_and_finishes(tmp_path: Path) -> None:
+    run = lifecycle_run(tmp_path, 4, *SYNTHETIC, *FAST, "train.steps=12", "checkpoint.every_steps=5",
+                        "restart.max_restarts=2", "watchdog.deadlines.step=auto",
+                        "watchdog.adaptive.calibration_steps=3",
+                        "+faults=[{at: train, step: 7, ranks: [2], action: crash, attempts: [1]}]")
+    assert run.code == 0, run.output
+    assert "restart  attempt 1 failed (exit 4): ranks 2 (dead in phase train); restart 1 of 2" in run.output
+    assert "attempt 2: resumed from step 5" in run.output
+    summary = run.summary()
+    assert summary["attempt"] == 2 and summary["exit_code"] == 0 and summary["loss"]["steps"] == 7
+    [first] = summary["earlier_attempts"]
+    assert first["exit_code"] == 4 and first["blame"]["ranks"] == [2] and first["last_step"] == 6
+    assert 0 < first["restart_s"] < 60, first  # failure -> the next attempt's first step
+    # Attempt 2 starts from the deadline attempt 1 learned and saved with checkpoint 5, not the 600 s ceiling.
+    for rank, events in run.events().items():
+        first_step = next(i for i, e in enumerate(events) if e["name"] == "step")
+        restored = [e for e in events[:first_step] if e["name"] == "deadline"]
+        assert [e["source"] for e in restored] == ["checkpoint"], (rank, restored)
+        assert restored[0]["seconds"] < 600 and "restored from iter_0000005 (learned in attempt 1)" in \
+            restored[0]["how"], restored
+    assert (run.run_dir / "checkpoints" / "iter_0000010" / "lifecycle_learned.json").is_file()
+
+
+@pytest.mark.timeout(150)
+def test_attempts_that_never_commit_a_newer_checkpoint_stop_the_restarts_with_the_no_progress_code(
+        tmp_path: Path) -> None:
+    run = lifecycle_run(tmp_path, 2, *SYNTHETIC, *FAST, "train.steps=12", "checkpoint.every_steps=5",
+                        "restart.max_restarts=5", "restart.max_no_progress=2",
+                        "+faults=[{at: train, step: 3, ranks: [1], action: crash}]")
+    assert run.code == 6, run.output
+    assert ("2 attempts in a row failed before committing a checkpoint at all; not restarting "
+            "(restart.max_no_progress=2") in run.output, run.output
+    assert run.summary()["attempt"] == 2  # the third attempt was refused before any rank started
+    # The same command run again by hand is refused too (torchrun's and SLURM's restarts: tests/examples).
+    again = lifecycle_run(tmp_path, 2, *SYNTHETIC, *FAST, "train.steps=12", "checkpoint.every_steps=5",
+                          "restart.max_restarts=5", "restart.max_no_progress=2",
+                          "+faults=[{at: train, step: 3, ranks: [1], action: crash}]")
+    assert again.code == 6 and "not restarting" in again.output, again.output
+    # Another policy (here: the drill gone) is a fresh start for the count: it runs, and finishes.
+    fixed = lifecycle_run(tmp_path, 2, *SYNTHETIC, *FAST, "train.steps=12", "checkpoint.every_steps=5",
+                          "restart.max_restarts=5", "restart.max_no_progress=2")
+    assert fixed.code == 0, fixed.output

@@ -84,6 +84,9 @@ class Bill:
     backend: str = "nccl"
     communicators: list[JsonDict] = field(default_factory=list)
     duplicates: list[JsonDict] = field(default_factory=list)
+    unused: list[str] = field(default_factory=list)
+    """Groups with a communicator here that the job's own collectives never use (``warmup.groups: used`` skips
+    them); empty when the train kind's collectives are not known."""
 
     @property
     def total(self) -> int:
@@ -91,7 +94,9 @@ class Bill:
 
     def as_dict(self) -> JsonDict:
         wasted = sum(int(d["bytes"]) for d in self.duplicates)
-        return {"backend": self.backend, "rank": self.rank, "ranks_per_node": self.ranks_per_node, "total_bytes": self.total,
+        unused = sum(int(c["bytes"]) for c in self.communicators if c["group"] in self.unused)
+        return {"unused_by_job": self.unused, "unused_bytes": unused, "backend": self.backend, "rank": self.rank,
+                "ranks_per_node": self.ranks_per_node, "total_bytes": self.total,
                 "total_gib": round(self.total / 2**30, 3), "communicators": self.communicators,
                 "identical_rank_sets": self.duplicates, "duplicate_bytes": wasted}
 
@@ -154,8 +159,14 @@ def policy_bill(policy: Policy, layout: Layout, rank: int, ranks_per_node: int) 
     if "job" in policy.warmup.sizes:
         for m in job_messages(policy):
             messages[m.group] = max(messages.get(m.group, 0), m.nbytes)
-    return rank_bill(layout, rank, ranks_per_node, Settings.of(policy.distributed.effective_nccl_env()), warmed,
+    from lifecycle.distributed.messages import used_groups
+
+    bill = rank_bill(layout, rank, ranks_per_node, Settings.of(policy.distributed.effective_nccl_env()), warmed,
                      backend=backend_of(policy), messages=messages)
+    used = used_groups(policy, layout.world_size)
+    if used is not None:
+        bill.unused = [c["group"] for c in bill.communicators if c["group"] not in used and c["size"] > 1]
+    return bill
 
 
 GLOO_BASE = 64 * 1024

@@ -152,6 +152,9 @@ def render(info: JsonDict) -> str:
         for d in cm["identical_rank_sets"]:
             lines.append(f"  same ranks, separate communicators: {', '.join(d['groups'])} ({d['size']} ranks): "
                          f"{d['bytes'] / 2**20:.1f} MiB more than one would cost")
+        if cm.get("unused_by_job"):
+            lines.append(f"  never used by the job's collectives: {', '.join(cm['unused_by_job'])}: "
+                         f"{cm['unused_bytes'] / 2**20:.1f} MiB (warmup.groups: used does not create them)")
     for phase, actions in info["plan"].items():
         lines += ["", f"{phase}" + ("  (nothing to do)" if not actions else "")]
         for i, a in enumerate(actions, 1):

@@ -193,6 +193,8 @@ class WarmupPhase:
             timings[group.label] = timings.get(group.label, 0.0) + self._op(ctx, fn, op, group,
                                                                             action.deadline_s or 0.0, action.nbytes)
             memory.add(group.label, before, comm_memory_now())
+            if memory.source is not None:  # the timeline's counter: this rank's communicator memory as groups warm
+                ctx.events.scalar("comm_memory_mib", round(memory.total / 2**20, 3), group=group.label)
             memory.check(group, ctx.rank)
         ctx.warmup_s = timings
         self._record(ctx, memory)

@@ -122,6 +122,7 @@ def test_explain_prints_the_communicator_bill_and_its_json() -> None:
     assert proc.returncode == 0, proc.stderr
     assert "communicators (NCCL estimate, device memory, rank 0, 4 ranks per node)" in proc.stdout
     assert "same ranks, separate communicators: world, dp, dp_cp, tp_dp, tp_dp_cp, intra_dist_opt" in proc.stdout
+    assert "never used by the job's collectives: tp_dp, tp_dp_cp, intra_dist_opt: " in proc.stdout
     info = json.loads(run_cli("explain", "-w", "16", "--json", *nccl).stdout)
     smaller = json.loads(run_cli("explain", "-w", "16", "--json", *nccl,
                                  "+distributed.nccl_env.NCCL_BUFFSIZE=2097152").stdout)

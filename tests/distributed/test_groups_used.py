@@ -44,6 +44,11 @@ def test_used_warms_exactly_the_groups_the_first_step_uses(tmp_path: Path, layou
     assert cost["source"] == "rss" and cost["max_total_bytes"] > 0
     assert _names(cost["groups"]) == planned
     assert all(g["estimate_bytes"] is not None and g["measured_max_bytes"] >= 0 for g in cost["groups"].values())
+    # the gloo model against what this machine measured: the same order of magnitude for the rank's total
+    estimate = sum(int(g["estimate_bytes"]) for g in cost["groups"].values())
+    assert 0.1 < cost["max_total_bytes"] / estimate < 10, (cost["max_total_bytes"], estimate)
+    # the timeline's counter: the rank's communicator memory as each group is warmed
+    assert any(e["name"] == "comm_memory_mib" and e["kind"] == "scalar" for e in run.events()[0])
 
 
 @pytest.mark.timeout(120)

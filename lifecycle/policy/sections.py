@@ -61,12 +61,12 @@ class DistributedConfig(Section):
     flight_recorder: FlightRecorderConfig = FlightRecorderConfig()
     """NCCL Flight Recorder settings (ignored on gloo)."""
     memory_headroom_gib: float = Field(0.0, ge=0, allow_inf_nan=False)
-    """NCCL only: fail fast at warmup when free GPU memory is below this (0 disables the check)."""
+    """CUDA only: fail warmup at the group after which free GPU memory is below this (0 disables the check)."""
     comm_memory_budget_gib: float | None = Field(None, gt=0, allow_inf_nan=False)
-    """The most device memory one rank's NCCL communicators may take, by the estimate `lifecycle explain` prints
-    (comm_memory): `lifecycle run` refuses before launch (exit 2) when a rank's estimate exceeds it, naming the largest
-    groups and the settings that shrink them; checked whatever the backend, so a CPU rehearsal refuses what the GPU
-    job would. null: no budget."""
+    """The most memory one rank's communicators may take (device memory for NCCL, host memory for gloo): `lifecycle
+    run` refuses before launch (exit 2) when a rank's estimate (`lifecycle explain`: comm_memory, for the backend the
+    run will use) exceeds it, naming the largest groups and the settings that shrink them; warmup fails at the first
+    group whose measured cost takes the rank past it. null: no budget."""
     connect: Literal["eager", "lazy"] = "eager"
     """NCCL: eager sets NCCL_RUNTIME_CONNECT=0, so every communicator connects all its channels while it is warmed
     (their memory is taken at warmup, not at step 1); lazy (NCCL's default since 2.22) connects each algorithm's

@@ -360,6 +360,12 @@ class Watchdog:
         if kind == "hang" and not isinstance(exc, HangError) and d is not None:
             return HangError(f"{exc} [watchdog: stuck ranks {d.culprits}]", missing=d.culprits, phase=phase,
                              rank=self.rank)
+        hung = ("hang", "unresponsive", "sequence")
+        if kind == "peer" and d is not None and (cause.kind in hung or d.cause in hung):
+            # A peer left after a hang was reported: the connection it closed is the hang's consequence, and this
+            # rank exits with the hang code like the rest, whichever reached it first.
+            return HangError(f"{exc} [watchdog: {d.cause} reported by rank {d.origin}; stuck ranks {d.culprits}]",
+                             missing=d.culprits, phase=phase, rank=self.rank)
         return exc
 
     def _origin(self, ch: BoundedChannel[SideChannel]) -> Cause | None:

@@ -34,7 +34,8 @@ FILES = {
     "fault_action": "faults.0.action: Input should be 'stall'",
     "missing_value": "run.name: value is missing",
     "bad_interp": "checkpoint.dir: interpolation failed",
-    "exit_codes": "teardown.exit_codes: exit codes hang, rank_failed, teardown_deadline must be distinct",
+    "exit_codes": "teardown.exit_codes: exit codes hang, rank_failed, teardown_deadline, no_progress must be "
+                  "distinct",
     "schema_version": "schema_version: this lifecycle reads schema version 1",
     "bad_yaml": "bad_yaml.yaml:3:1: not valid YAML",
     "alias_bomb": "alias_bomb.yaml:6:20: the policy files expand to more than 5000 values",

@@ -79,6 +79,8 @@ class RunContext:
     parallel: ParallelState
     """The model-parallel backend (Megatron's ``parallel_state`` in a real run)."""
     attempt: int = 1
+    own_loop: bool = False
+    """A trainer's own loop (``lifecycle.attach``): the policy's train kind does not say which groups it uses."""
     started_attempt: bool = False
     """Rank 0 recorded this attempt's start in the restart ledger (at init): it records the end too."""
     """Which run of the same command in the same run directory this is (1 for a new run)."""

@@ -77,7 +77,7 @@ def _megatron(policy: Policy) -> list[Message]:
     return out
 
 
-def used_groups(policy: Policy, world_size: int | None = None) -> list[str] | None:
+def used_groups(policy: Policy, world_size: int | None = None, *, own_loop: bool = False) -> list[str] | None:
     """The groups the job's collectives use (``warmup.groups: used``), or None when the train kind's are not known
     (a trainer's own loop, a plugin kind: warm them all). Always ``world`` (lifecycle's stop flag, barriers and
     checkpoints) and ``dp`` (the reported loss). For ``megatron_gpt`` the rules below match what the first step of
@@ -89,6 +89,8 @@ def used_groups(policy: Policy, world_size: int | None = None) -> list[str] | No
     with the distributed optimizer) and norm on ``tp_ep_pp``. ``world_size`` (when known) drops an expert-dp group
     of one rank, which megatron never reduces over."""
     kind, o = policy.train.kind, policy.train.options
+    if own_loop:
+        return None  # lifecycle.attach(): the trainer's collectives, not the kind's
     if kind == "synthetic":
         return ["world", "dp"]  # GROUP_NAMES order
     if kind != "megatron_gpt" or o is None:
@@ -120,13 +122,13 @@ def used_groups(policy: Policy, world_size: int | None = None) -> list[str] | No
     return [n for n in GROUP_NAMES if n in used]
 
 
-def requested_groups(policy: Policy, world_size: int | None = None) -> list[str]:
+def requested_groups(policy: Policy, world_size: int | None = None, *, own_loop: bool = False) -> list[str]:
     """The warmup group names in the canonical order (that order is the same on every rank). ``used``: the groups
-    the job's collectives use (:func:`used_groups`; all when the train kind's are not
-    known)."""
+    the job's collectives use (:func:`used_groups`; all when the train kind's are not known, and in a trainer's own
+    loop: ``own_loop``)."""
     groups = policy.warmup.groups
     if groups == "used":
-        wanted = used_groups(policy, world_size) or list(GROUP_NAMES)
+        wanted = used_groups(policy, world_size, own_loop=own_loop) or list(GROUP_NAMES)
     else:
         wanted = list(GROUP_NAMES) if groups == "all" else list(groups)
     return [n for n in GROUP_NAMES if n in wanted]

@@ -72,7 +72,9 @@ def attach(config_name: str | None = None, config_dir: str | Path | None = None,
     policy = load(every, config_dir=config_dir, config_name=config_name or "config").policy
     parallel = _adopted_parallel(policy, world)
     path = prepare_rank_dir(policy, rank, world, every, hint="run_dir= or run.id=")
-    job = Job(build_context(policy, path, rank, world, local_rank, parallel))
+    ctx = build_context(policy, path, rank, world, local_rank, parallel)
+    ctx.own_loop = True
+    job = Job(ctx)
     _active = job
     job._begin()
     return job

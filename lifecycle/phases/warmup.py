@@ -171,7 +171,11 @@ class WarmupPhase:
         from lifecycle.distributed import groups
 
         policy = ctx.policy
-        ctx.groups = groups.resolve(ctx.parallel, requested_groups(policy, ctx.world_size), policy.warmup.required)
+        names = requested_groups(policy, ctx.world_size, own_loop=ctx.own_loop)
+        if policy.warmup.groups == "used" and ctx.own_loop and ctx.rank == 0:
+            log.info("warmup.groups: used: a trainer's own loop does not say which groups it uses; warming every "
+                     "group (the first step names any it used that warmup did not warm)")
+        ctx.groups = groups.resolve(ctx.parallel, names, policy.warmup.required)
         by_name = {n: g for g in ctx.groups for n in g.names}
         plan = self.plan(policy, ResolvedView(ctx.groups))
         point_index: dict[str, int] = {}

@@ -142,8 +142,8 @@ class WarmupConfig(Section):
     groups: Literal["all", "used"] | list[str] = "all"
     """Groups to warm, by symbolic name, or `all` (every group that exists in this layout), or `used` (the groups the
     train kind's collectives use: fewer communicators, less memory; all for a kind whose collectives lifecycle does
-    not know). The first step checks either way: a group it used that warmup did not warm is named (`groups_used`
-    event, a warning)."""
+    not know, and in a trainer's own loop under `lifecycle.attach()`). The first step checks either way: a group it
+    used that warmup did not warm is named (`groups_used` event, a warning)."""
     ops: list[WarmupOp] = Field(default_factory=lambda: _ops("barrier", "all_reduce"), min_length=1)
     """Ops issued on every warmed group, in this order."""
     order: Literal["group_major", "op_major"] = "group_major"

@@ -66,3 +66,6 @@ def test_used_groups_follow_the_kind_and_the_layout() -> None:
     # a plugin kind (installed by a package): its collectives are unknown, so every group is warmed
     own = asked.model_copy(update={"train": asked.train.model_copy(update={"kind": "plugin_kind"})})
     assert used_groups(own) is None and requested_groups(own) == list(GROUP_NAMES)
+    # a trainer's own loop (lifecycle.attach) issues its own collectives, whatever the policy's kind
+    assert used_groups(asked, 4, own_loop=True) is None
+    assert requested_groups(asked, 4, own_loop=True) == list(GROUP_NAMES)

@@ -186,3 +186,8 @@ class HangError(PhaseError):
     def __init__(self, message: str, *, missing: list[int] | None = None, **where: object) -> None:
         super().__init__(message, **where)  # type: ignore[arg-type]
         self.missing = list(missing or [])
+
+
+class PeerLeftAfterHang(HangError):
+    """A collective broke because a peer left after the watchdog reported a hang, a silent rank or a divergence: the
+    consequence of that report, not a timeout of this rank's; the hang code like the rest."""

@@ -253,7 +253,9 @@ def build(run_dir: Path, launch: Any | None = None) -> dict[str, Any]:
         from lifecycle.distributed.ranks import fmt_ranks
 
         who = f"rank{'s' if len(b['ranks']) > 1 else ''} {fmt_ranks(b['ranks'])}"
-        summary["outcome"] = (f"{who} {b.get('cause')} in phase {b.get('phase')} (the watchdog's verdict); "
+        what = {"hang": "hung", "sequence": "diverged (collective sequence)", "dead": "died", "failed": "failed",
+                "unresponsive": "unresponsive", "lost": "lost the store"}.get(str(b.get("cause")), str(b.get("cause")))
+        summary["outcome"] = (f"{who} {what} in phase {b.get('phase')} (the watchdog's verdict); "
                               + launch.describe().replace("failed first", "exited first"))
     return summary
 

@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
-from lifecycle.errors import ExitCode, HangError, StoreUnavailable, culprits
+from lifecycle.errors import ExitCode, HangError, PeerLeftAfterHang, StoreUnavailable, culprits
 from lifecycle.jsontypes import JsonDict
 from lifecycle.launch import rundir
 from lifecycle.watchdog import causes, diagnosis
@@ -364,8 +364,8 @@ class Watchdog:
         if kind == "peer" and d is not None and (cause.kind in hung or d.cause in hung):
             # A peer left after a hang was reported: the connection it closed is the hang's consequence, and this
             # rank exits with the hang code like the rest, whichever reached it first.
-            return HangError(f"{exc} [watchdog: {d.cause} reported by rank {d.origin}; stuck ranks {d.culprits}]",
-                             missing=d.culprits, phase=phase, rank=self.rank)
+            return PeerLeftAfterHang(f"{exc} [watchdog: {d.cause} reported by rank {d.origin}; stuck ranks "
+                                     f"{d.culprits}]", missing=d.culprits, phase=phase, rank=self.rank)
         return exc
 
     def _origin(self, ch: BoundedChannel[SideChannel]) -> Cause | None:

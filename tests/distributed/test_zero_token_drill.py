@@ -45,12 +45,12 @@ def test_without_a_guard_the_job_deadlocks_and_the_watchdog_names_step_groups_an
     assert '"phase": "train"' in report and '"cause": "' in report
     out = run.output
     assert "COLLECTIVE SEQUENCE MISMATCH in phase train: ranks 1 and 3 wait for each other" in out, out
-    assert "rank 3 is in grad_reduce on group intra_edp" in out and "rank 1 is in grad_reduce on group intra_dp" in out
+    assert "rank 3 is in grad_reduce on group intra_edp" in out and "rank 1 is in grad_reduce on group intra_dp_cp" in out
     # The step and group of each stuck rank; a rank whose collective then broke (its peer aborted) may be shown
     # back in its step span, so at least one of the two keeps its grad_reduce.
     stuck = re.findall(r"stuck: rank ([13]) \[\w+\]: phase train step 3, in op (\S+) on group (\S+) ", out)
     assert {r for r, _, _ in stuck} == {"1", "3"}, out
-    assert {("1", "grad_reduce", "intra_dp"), ("3", "grad_reduce", "intra_edp")} & set(stuck), out
+    assert {("1", "grad_reduce", "intra_dp_cp"), ("3", "grad_reduce", "intra_edp")} & set(stuck), out
     fired = _fired(run)
     for rank, evs in run.events().items():
         assert max(_steps(run, rank)) == 2, rank  # nobody finished step 3

@@ -115,8 +115,6 @@ class MegatronGPTStep(TorchDistCheckpoints):
 
 def record_collectives(ctx: StepContext) -> None:
     """Megatron DDP's bucket collectives become spans on their groups (a hang there names group and ranks)."""
-    from megatron.core import parallel_state as ps
-
     from lifecycle.backends.megatron import comm_events
     from lifecycle.distributed.names import GROUP_NAMES
 
@@ -124,7 +122,5 @@ def record_collectives(ctx: StepContext) -> None:
         log.info("this megatron-core has no DDP coalescing hook: gradient reductions are not traced")
         return
 
-    # Megatron's dense dp group inside one distributed-optimizer instance has no symbolic name.
-    extra = {"intra_dp": ps.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True)}
-    labels = comm_events.group_labels(ctx.parallel.get_group, [n for n in GROUP_NAMES if n != "world"], extra)
+    labels = comm_events.group_labels(ctx.parallel.get_group, [n for n in GROUP_NAMES if n != "world"])
     comm_events.set_recorder(comm_events.Recorder(ctx.span, ctx.count_op, labels))

@@ -89,7 +89,7 @@ class Orchestrator:
             self.handlers["train"].run(self.ctx)
             return self._teardown()
         except BaseException as exc:  # noqa: BLE001 - every failure takes the failure edge
-            return self._fail(exc)
+            return self.fail(exc)
 
     def finish(self) -> int:
         """The success path's teardown (the failure edge if it fails); the exit code."""
@@ -97,7 +97,12 @@ class Orchestrator:
 
     def fail(self, exc: BaseException) -> int:
         """The failure edge for ``exc``; the policy's exit code."""
-        return self._fail(exc)
+        try:
+            return self._fail(exc)
+        except Shutdown:
+            # The launcher's SIGTERM landed as the failure path began, before it marked itself (``self.error``,
+            # which stops the signal handler from raising): nothing of it ran yet, so it starts again, once.
+            return self._fail(exc)
 
     def _teardown(self) -> int:
         self._enter(TERMINAL)

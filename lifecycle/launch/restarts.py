@@ -16,9 +16,13 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lifecycle import safeio
 from lifecycle.jsontypes import JsonDict
+
+if TYPE_CHECKING:
+    from lifecycle.policy.schema import Policy
 
 LEDGER = "restarts.jsonl"
 _MAX_BYTES = 1 << 20
@@ -111,6 +115,13 @@ def refusal(run_dir: Path, now_step: int | None, sha256: str, limit: int) -> str
     return (f"{streak} attempts in a row failed before committing a checkpoint {where}; not restarting "
             f"(restart.max_no_progress={limit}; fix the cause, then run again with restart.max_no_progress=0 or "
             f"remove {Path(run_dir) / LEDGER})")
+
+
+def verdict(run_dir: Path, policy: Policy, sha256: str) -> tuple[str | None, int | None]:
+    """The line the next attempt of ``policy`` refuses to start with (or None), and the tracker's step it starts
+    from: what the local launcher asks before it starts ranks and rank 0 asks at init."""
+    step = tracker_step(policy.checkpoint.dir)
+    return refusal(run_dir, step, sha256, policy.restart.max_no_progress), step
 
 
 def tracker_step(checkpoint_dir: str | Path) -> int | None:

@@ -162,8 +162,7 @@ def _refusal(policy: Policy, run_dir: Path) -> str | None:
     from lifecycle.launch import restarts
     from lifecycle.policy.load import sha256
 
-    return restarts.refusal(run_dir, restarts.tracker_step(policy.checkpoint.dir), sha256(policy),
-                            policy.restart.max_no_progress)
+    return restarts.verdict(run_dir, policy, sha256(policy))[0]
 
 
 def _attempt(policy: Policy, nproc: int, run_dir: Path, overrides: Sequence[str]) -> tuple[int, JsonDict, bool]:

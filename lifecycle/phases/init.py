@@ -144,10 +144,11 @@ class InitPhase:
         import torch.distributed as dist
 
         from lifecycle.distributed.collectives import device_for, wait_works
+        from lifecycle.launch import restarts
         from lifecycle.policy.load import sha256
 
         digest = sha256(ctx.policy)
-        refused = _no_progress(ctx, digest) if ctx.rank == 0 else None
+        refused, start_step = restarts.verdict(ctx.run_dir, ctx.policy, digest) if ctx.rank == 0 else (None, None)
         payload = (bytes.fromhex(digest) + min(ctx.attempt, 1 << 31).to_bytes(4, "little")
                    + (b"\x01" if refused else b"\x00"))
         mine = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device_for())
@@ -166,9 +167,7 @@ class InitPhase:
                              f"row failed without committing a newer checkpoint (see {ctx.run_dir}/restarts.jsonl)",
                              phase="init", rank=ctx.rank)
         if ctx.rank == 0:
-            from lifecycle.launch import restarts
-
-            restarts.record_start(ctx.run_dir, ctx.attempt, restarts.tracker_step(ctx.policy.checkpoint.dir), digest)
+            restarts.record_start(ctx.run_dir, ctx.attempt, start_step, digest)
             ctx.started_attempt = True
         majority = max(set(digests), key=digests.count)
         differ = [r for r, d in enumerate(digests) if d != majority]
@@ -191,14 +190,6 @@ def restart_store(timeout: datetime.timedelta) -> Store | None:
     client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                            timeout=timeout)
     return dist.PrefixStore(f"lifecycle/restart/{restart}", client)
-
-
-def _no_progress(ctx: RunContext, digest: str) -> str | None:
-    """Rank 0: the line this attempt refuses to start with (``restart.max_no_progress``), or None."""
-    from lifecycle.launch import restarts
-
-    return restarts.refusal(ctx.run_dir, restarts.tracker_step(ctx.policy.checkpoint.dir), digest,
-                            ctx.policy.restart.max_no_progress)
 
 
 def _agree_attempt(ctx: RunContext, attempts: list[int]) -> None:

@@ -43,6 +43,9 @@ class WatchdogHandle(Protocol):
     """This rank's report, once it made one."""
     progress: ProgressTracker
     """What this rank is doing (the op it waits in, the ops it began per group)."""
+    restart_request: object | None
+    """A peer failed and asked for a restart in place (``restart.mode: in_process``): the training thread leaves
+    its phase at the next step boundary."""
 
     def peer_records(self, ranks: list[int]) -> dict[int, JsonDict | None]:
         """The heartbeat records of ``ranks`` (None for one without a record)."""
@@ -79,11 +82,17 @@ class RunContext:
     parallel: ParallelState
     """The model-parallel backend (Megatron's ``parallel_state`` in a real run)."""
     attempt: int = 1
+    """Which run of the same command in the same run directory this is (1 for a new run)."""
     own_loop: bool = False
     """A trainer's own loop (``lifecycle.attach``): the policy's train kind does not say which groups it uses."""
     started_attempt: bool = False
     """Rank 0 recorded this attempt's start in the restart ledger (at init): it records the end too."""
-    """Which run of the same command in the same run directory this is (1 for a new run)."""
+    restarts_left: int = 0
+    """Restarts this job may still make (``restart.max_restarts`` less those made): an in-process one takes one."""
+    restart_round: int = 0
+    """In-process restarts this process made: the store prefix of its process groups and watchdog keys."""
+    restart_base: Store | None = None
+    """The store the process groups of an in-process restart are re-created on (the previous round's)."""
     store: Store | None = None
     """The default group's store (set by init); barriers and checkpoint agreement use it."""
     groups: list[ResolvedGroup] = field(default_factory=list)

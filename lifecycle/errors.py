@@ -122,6 +122,11 @@ class NoProgress(LifecycleError):
     started from: this attempt refuses to start (``exit_codes.no_progress``), so no launcher restarts it forever."""
 
 
+class RestartRequested(LifecycleError):
+    """Another rank failed and the ranks restart in place (``restart.mode: in_process``): this rank leaves its phase
+    at the next step boundary to join them. Not a failure of this rank's."""
+
+
 class RunDirError(UsageError):
     """A file of a run or checkpoint directory cannot be used (not a regular file, too large, unreadable);
     ``path`` names it. Exit 2: the folder's content is wrong, not the job."""

@@ -186,8 +186,24 @@ def rank_attempt(run_dir: Path, rank: int) -> int:
         for name in _PER_ATTEMPT:
             if name not in (EVENTS_DIR, LOGS_DIR, RESOLVED, SHA256) and (run_dir / name).exists():
                 os.replace(run_dir / name, target / name)
+        # The file's first attempt restarted in place (restart.mode: in_process) to the attempt recorded since:
+        # the next is after that one (the other ranks agree on it at init).
+        previous = max(previous, newer_attempt(run_dir, previous) or previous)
         safeio.write_text(run_dir / ATTEMPT, f"{previous + 1}\n")
     return previous + 1
+
+
+def keep_report(run_dir: Path, attempt: int) -> None:
+    """An attempt that restarted in place (its events and logs go on in the same files): its hang report moves to
+    ``attempts/<N>/``, so that it is not taken for the report of the attempt after it."""
+    report = Path(run_dir) / HANG_REPORT
+    if report.is_file():
+        target = Path(run_dir) / ATTEMPTS_DIR / str(attempt)
+        try:
+            target.mkdir(parents=True, exist_ok=True)
+            os.replace(report, target / HANG_REPORT)
+        except OSError:  # a report is no reason to fail a restart
+            pass
 
 
 def _start_attempt(run_dir: Path) -> int:

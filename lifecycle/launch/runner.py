@@ -144,8 +144,9 @@ def _launch(policy: Policy, nproc: int, run_dir: Path, overrides: Sequence[str])
         if refused is not None:
             print(f"lifecycle: {refused}", file=sys.stderr, flush=True)
             return policy.teardown.exit_codes.no_progress
-        code, info, stopped = _attempt(policy, nproc, run_dir, overrides)
-        if code == 0 or left == 0 or stopped or code in (ExitCode.USAGE, policy.teardown.exit_codes.no_progress):
+        code, info, stopped, started = _attempt(policy, nproc, run_dir, overrides, left)
+        left -= max(int(info.get("attempt") or started) - started, 0)  # the ranks' restarts in place
+        if code == 0 or left <= 0 or stopped or code in (ExitCode.USAGE, policy.teardown.exit_codes.no_progress):
             return code
         left -= 1
         done = policy.restart.max_restarts - left
@@ -165,12 +166,15 @@ def _refusal(policy: Policy, run_dir: Path) -> str | None:
     return restarts.verdict(run_dir, policy, sha256(policy))[0]
 
 
-def _attempt(policy: Policy, nproc: int, run_dir: Path, overrides: Sequence[str]) -> tuple[int, JsonDict, bool]:
-    """One attempt: its files, its ranks, its summary. (exit code, summary, whether the launcher was stopped)."""
+def _attempt(policy: Policy, nproc: int, run_dir: Path, overrides: Sequence[str],
+             restarts_left: int) -> tuple[int, JsonDict, bool, int]:
+    """One attempt (and the attempts its ranks restarted in place): its files, its ranks, its summary. (exit code,
+    summary, whether the launcher was stopped, the attempt it started as)."""
     from lifecycle import safeio
     from lifecycle.launch import preflight as checks
     from lifecycle.launch import restarts, rundir
     from lifecycle.launch.local import launch_local
+    from lifecycle.launch.worker import ENV_RESTARTS_LEFT
     from lifecycle.obs import summary
     from lifecycle.policy.load import write_resolved
 
@@ -181,13 +185,13 @@ def _attempt(policy: Policy, nproc: int, run_dir: Path, overrides: Sequence[str]
     again = f"attempt {attempt}, " if attempt > 1 else ""
     print(f"lifecycle: {again}{nproc} ranks, run directory {run_dir}", flush=True)
     result = launch_local([sys.executable, "-m", "lifecycle.launch.worker", str(run_dir)], nproc, run_dir,
-                          env={rundir.ENV_ATTEMPT: str(attempt)})
+                          env={rundir.ENV_ATTEMPT: str(attempt), ENV_RESTARTS_LEFT: str(restarts_left)})
     if result.first_failure is not None and result.per_rank.get(result.first_failure, 0) < 0:
         # A rank killed by a signal (kill -9, the OOM killer) died: the policy's code for that, not 128+N (the
         # signal stays in the outcome line and the summary).
         result = dataclasses.replace(result, exit_code=policy.teardown.exit_codes.rank_failed)
-    restarts.record_end(run_dir, attempt, int(result.exit_code))
     info = summary.build(run_dir, result)
+    restarts.record_end(run_dir, int(info.get("attempt") or attempt), int(result.exit_code))  # the last, in place too
     try:
         summary.write(run_dir, info)
     except OSError as exc:  # a full disk: the run's verdict is still printed and its exit code returned
@@ -195,7 +199,7 @@ def _attempt(policy: Policy, nproc: int, run_dir: Path, overrides: Sequence[str]
               flush=True)
     print(summary.render(info), flush=True)
     _timeline(run_dir)
-    return int(result.exit_code), info, result.stopped_by is not None
+    return int(result.exit_code), info, result.stopped_by is not None, attempt
 
 
 END_OF_JOB_TIMELINE_BYTES = 32 << 20

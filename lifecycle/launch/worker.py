@@ -15,6 +15,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
+from lifecycle.distributed.ranks import fmt_ranks
 from lifecycle.errors import ExitCode, LifecycleError, exit_code
 from lifecycle.launch import rundir
 from lifecycle.launch.preflight import rank_env
@@ -23,11 +24,14 @@ from lifecycle.launch.rundir import RESOLVED, has_marker
 if TYPE_CHECKING:
     from lifecycle.context import RunContext
     from lifecycle.distributed.parallel import ParallelState
+    from lifecycle.machine.inprocess import InProcessRestart
     from lifecycle.machine.orchestrator import Orchestrator
     from lifecycle.obs.events import EventLog
     from lifecycle.policy.schema import FaultDrill, Policy
 
 log = logging.getLogger(__name__)
+ENV_RESTARTS_LEFT = "LIFECYCLE_RESTARTS_LEFT"
+"""Set by the local launcher for its ranks: the restarts (``restart.max_restarts``) this job has left."""
 
 
 def install_signals(ctx: RunContext, orchestrator: Orchestrator) -> None:
@@ -64,14 +68,53 @@ def run_rank(run_dir: Path, policy: Policy | None = None) -> int:
         policy = read_resolved(run_dir / RESOLVED)
     rank, world, local_rank = rank_env()
     ctx = build_context(policy, run_dir, rank, world, local_rank, parallel_for(policy))
-    orchestrator = Orchestrator(ctx)
-    install_signals(ctx, orchestrator)
-    start_watchdog(ctx)
-    try:
-        return orchestrator.run()
-    finally:
-        if ctx.watchdog is not None:
-            ctx.watchdog.stop()
+    while True:
+        orchestrator = Orchestrator(ctx)
+        install_signals(ctx, orchestrator)
+        start_watchdog(ctx)
+        try:
+            result = orchestrator.run()
+        finally:
+            if ctx.watchdog is not None:
+                ctx.watchdog.stop()
+        if isinstance(result, int):
+            return result
+        ctx = next_attempt(ctx, result)
+
+
+def next_attempt(ctx: RunContext, restart: InProcessRestart) -> RunContext:
+    """The context of the attempt after ``restart`` in this process (``restart.mode: in_process``): the same events
+    file, drills re-armed for the new attempt, one restart fewer; its init re-creates the process groups on
+    ``restart.base`` under a prefix of the new round. Rank 0 records the failed attempt's end and the new attempt."""
+    from lifecycle.context import RunContext
+    from lifecycle.distributed.faults import Drills
+    from lifecycle.launch import restarts
+
+    policy, attempt = ctx.policy, restart.attempt + 1
+    left = ctx.restarts_left - 1
+    ctx.events.instant("restart_in_process", failed_attempt=restart.attempt, attempt=attempt,
+                       exit_code=restart.exit_code, error=restart.error, cause=restart.cause,
+                       culprits=restart.culprits, failed_phase=restart.phase, last_step=restart.step,
+                       resumed_from=ctx.resumed_from, failed_at=restart.failed_at, destroy_s=restart.destroy_s,
+                       agree_s=restart.agree_s, pid=os.getpid(), restarts_left=left)
+    if ctx.rank == 0:
+        if ctx.started_attempt:
+            restarts.record_end(ctx.run_dir, restart.attempt, restart.exit_code)
+        rundir.record_attempt(ctx.run_dir, attempt)
+        rundir.keep_report(ctx.run_dir, restart.attempt)
+        who = (f"ranks {fmt_ranks(restart.culprits)} ({restart.cause} in phase {restart.phase})" if restart.culprits
+               else f"{restart.error} in phase {restart.phase}")
+        done = policy.restart.max_restarts - left
+        print(f"restart  attempt {restart.attempt} failed (exit {restart.exit_code}): {who}; in-process restart "
+              f"{done} of {policy.restart.max_restarts}: the same processes re-create their groups and resume from "
+              f"the last committed checkpoint", flush=True)
+    ctx.events.instant("attempt", attempt=attempt, world_size=ctx.world_size, in_process=True)
+    drills = Drills(policy.faults, ctx.rank, on_fire=lambda f: _drill_fired(ctx.events, f),
+                    crash_code=policy.teardown.exit_codes.rank_failed, attempt=attempt)
+    drills.held = ctx.drills.held
+    return RunContext(policy, ctx.run_dir, ctx.rank, ctx.world_size, ctx.local_rank, ctx.events, drills,
+                      ctx.parallel, attempt=attempt, restarts_left=left, restart_round=ctx.restart_round + 1,
+                      restart_base=restart.base)
 
 
 def build_context(policy: Policy, run_dir: Path, rank: int, world: int, local_rank: int,
@@ -87,7 +130,14 @@ def build_context(policy: Policy, run_dir: Path, rank: int, world: int, local_ra
     return RunContext(policy, run_dir, rank, world, local_rank, events,
                       Drills(policy.faults, rank, on_fire=lambda f: _drill_fired(events, f),
                              crash_code=policy.teardown.exit_codes.rank_failed, attempt=attempt),
-                      parallel, attempt=attempt)
+                      parallel, attempt=attempt, restarts_left=_restarts_left(policy))
+
+
+def _restarts_left(policy: Policy) -> int:
+    """The local launcher says how many restarts this job has left; otherwise the policy's (under torchrun and
+    SLURM each new process starts with ``restart.max_restarts`` in-process restarts; theirs bound the relaunches)."""
+    given = os.environ.get(ENV_RESTARTS_LEFT, "")
+    return min(int(given), policy.restart.max_restarts) if given.isdigit() else policy.restart.max_restarts
 
 
 def parallel_for(policy: Policy) -> ParallelState:

@@ -15,6 +15,7 @@ import time
 from lifecycle.context import RunContext
 from lifecycle.errors import ExitCode, LifecycleError, Shutdown, culprits, exit_code
 from lifecycle.machine.graph import MAIN_PATH, TERMINAL, check_transition
+from lifecycle.machine.inprocess import InProcessRestart
 from lifecycle.phases.base import PhaseHandler
 from lifecycle.phases.init import InitPhase
 from lifecycle.phases.teardown import TeardownPhase
@@ -82,14 +83,75 @@ class Orchestrator:
                 handler.run(ctx)
         self._enter("train")
 
-    def run(self) -> int:
-        """Run every phase of the main path; return the exit code (0, or the policy's code for the failure)."""
+    def run(self) -> int | InProcessRestart:
+        """Run every phase of the main path; the exit code (0, or the policy's code for the failure), or the
+        restart in place the ranks agreed on (``restart.mode: in_process``): the caller builds the next attempt."""
         try:
             self.begin()
             self.handlers["train"].run(self.ctx)
             return self._teardown()
         except BaseException as exc:  # noqa: BLE001 - every failure takes the failure edge
+            if self.ctx.policy.restart.mode == "in_process" and self.ctx.policy.restart.max_restarts:
+                restart = self._restart_in_place(exc)
+                if isinstance(restart, InProcessRestart):
+                    return restart
+                exc = restart
             return self.fail(exc)
+
+    def _restart_in_place(self, exc: BaseException) -> InProcessRestart | BaseException:
+        """Leave the failed phase, destroy the process groups and agree with every rank on the store to restart in
+        place; the restart, or the error the failure path continues with (a line says why not)."""
+        from lifecycle.distributed.sockets import cut_connections, store_port
+        from lifecycle.machine import inprocess
+        from lifecycle.phases.teardown import FAILURE_STEP_S, HardDeadline
+        from lifecycle.watchdog.causes import classify
+
+        ctx, phase = self.ctx, self.current
+        failed_at, t0 = time.time(), time.monotonic()
+        self.error = exc  # from here a launcher's SIGTERM does not raise (the failure path follows a refusal)
+        bound = ctx.policy.restart.in_process_deadline_s
+        # Bounded like the failure path: a call that blocks cannot keep the process past the agreement.
+        timer = HardDeadline(bound + 4 * FAILURE_STEP_S + 10.0, self.exit_code(exc)).start()
+        try:
+            if ctx.watchdog is not None:  # tells the peers at once (the alarm) and names the culprit
+                exc = self.error = ctx.watchdog.on_failure(exc)
+            report = ctx.watchdog.reported if ctx.watchdog is not None else None
+            kind = classify(exc)
+            cause = report.cause if report is not None and kind in ("peer", "failed", "sequence") else kind
+            refused = inprocess.refusal(ctx, phase, cause)
+            code = self.exit_code(exc)
+            log.warning("%s on rank %d in phase %s: %s", type(exc).__name__, ctx.rank, phase, exc,
+                        exc_info=exc if kind == "failed" and not isinstance(exc, LifecycleError) else None)
+            base = ctx.store
+            with ctx.events.span("restart:destroy") as span:
+                # The peers blocked on this rank leave their collectives now (gloo cannot abort them), and so do
+                # this rank's own pending ones; then the groups go in the policy's failure order.
+                span["connections_cut"] = cut_connections(store_port())
+                skipped = self.teardown.release(ctx)
+            destroy_s = time.monotonic() - t0
+            if base is None:
+                refused = refused or "this rank has no store to agree on"
+            elif skipped:
+                refused = refused or f"{', '.join(skipped)} did not return: its process groups cannot be re-created"
+            t1 = time.monotonic()
+            with ctx.events.span("restart:agree", refused=refused):
+                why = inprocess.agree(ctx, base, refused, max(bound - destroy_s, 1.0)) if base is not None \
+                    else refused
+            if why is not None or base is None:
+                print(f"[rank {ctx.rank}] restart in place not possible ({why}): leaving for a relaunch", flush=True)
+                ctx.events.instant("restart_refused", why=why)
+                return exc
+            ctx.events.instant("failure", error=type(exc).__name__, message=str(exc)[:2000], exit_code=code,
+                               in_process=True)
+            who = report.culprits if report is not None else culprits(exc)
+            what = report.detail if report is not None else f"{type(exc).__name__}: {exc}"  # the cause, not its echo
+            restart = inprocess.InProcessRestart(
+                ctx.attempt, code, what[:300], cause, [int(r) for r in who or []],
+                phase, ctx.step, failed_at, round(destroy_s, 4), round(time.monotonic() - t1, 4), base)
+        finally:
+            timer.cancel()
+        self._end_current()
+        return restart
 
     def finish(self) -> int:
         """The success path's teardown (the failure edge if it fails); the exit code."""

@@ -68,12 +68,15 @@ def render(s: dict[str, Any]) -> str:
     attempt = s.get("attempt") or 1
     lines = [f"run      {s['run_dir']} ({s['ranks']} ranks" + (f", attempt {attempt})" if attempt > 1 else ")")]
     for a in s.get("earlier_attempts") or []:
+        stages = a.get("stages") if isinstance(a.get("stages"), dict) else {}
         lines.append(f"earlier  attempt {a['attempt']}: {a.get('outcome') or '?'}"
                      + (f" -> exit {a['exit_code']}" if a.get("exit_code") is not None else "")
                      + (f", resumed from step {a['resumed_from']}" if a.get("resumed_from") is not None else "")
                      + (f", last step {a['last_step']}" if a.get("last_step") is not None else "")
                      + (f"; next attempt's first step {a['restart_s']:.1f}s after the failure"
-                        if a.get("restart_s") is not None else ""))
+                        if a.get("restart_s") is not None else "")
+                     + (" (" + ", ".join(f"{k.removesuffix('_s').replace('_', ' ')} {v:.2f}s" for k, v in stages.items()
+                                         if isinstance(v, int | float)) + ")" if stages else ""))
     if "outcome" in s:
         lines.append(f"outcome  {s['outcome']} -> exit {s['exit_code']} in {s['wall_s']}s")
     b = s.get("blame")

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from lifecycle import safeio
-from lifecycle.launch.rundir import HANG_REPORT, SUMMARY, earlier_attempts
+from lifecycle.launch.rundir import ATTEMPTS_DIR, HANG_REPORT, SUMMARY, earlier_attempts
 from lifecycle.obs.events import read_events
 from lifecycle.obs.spans import Span, phase_of, rank_spans, valid_events
 from lifecycle.policy.base import PHASES
@@ -186,7 +186,7 @@ def _with_restart_times(run_dir: Path, earlier: list[dict[str, Any]]) -> list[di
     """Each earlier attempt with ``restart_s``: from its failure (its first end record in the restart ledger) to
     the first step of the attempt after it, when both are known."""
     from lifecycle.launch import restarts
-    from lifecycle.launch.rundir import ATTEMPTS_DIR, events_file
+    from lifecycle.launch.rundir import events_file
 
     ended = {a.number: a.ended_at for a in restarts.read(run_dir)}
     numbers = [int(a["attempt"]) for a in earlier]
@@ -200,9 +200,81 @@ def _with_restart_times(run_dir: Path, earlier: list[dict[str, Any]]) -> list[di
     return earlier
 
 
+_STAGES = {"phase:init": "init_s", "phase:warmup": "warmup_s", "resume": "load_s", "step": "first_step_s"}
+"""The spans after a restart in place whose duration is a stage of it (the first of each)."""
+
+
+def current_attempt(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A rank's events from the start of its last attempt in this process (after its last restart in place)."""
+    for i in range(len(events) - 1, -1, -1):
+        e = events[i]
+        if e["name"] == "attempt" and e.get("in_process"):
+            return events[i:]
+    return events
+
+
+def in_process_restarts(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rank 0's restarts in place (``restart_in_process`` events), each with the seconds from its failure to the next
+    attempt's first step (``restart_s``) and its stages: destroy and agree, then the next attempt's init, warmup,
+    checkpoint load and first step."""
+    out: list[dict[str, Any]] = []
+    for i, e in enumerate(events):
+        if e["name"] != "restart_in_process":
+            continue
+        info = {k: e.get(k) for k in ("failed_attempt", "exit_code", "error", "cause", "culprits", "failed_phase",
+                                      "last_step", "resumed_from", "pid")}
+        stages: dict[str, float] = {"destroy_s": e.get("destroy_s") or 0.0, "agree_s": e.get("agree_s") or 0.0}
+        for f in events[i + 1:]:
+            if f["name"] == "restart_in_process":
+                break
+            if f["kind"] == "end" and f["name"] in _STAGES:
+                stages.setdefault(_STAGES[f["name"]], round(float(f.get("dur_us") or 0) / 1e6, 4))
+                if f["name"] == "step":
+                    if isinstance(e.get("failed_at"), int | float):
+                        info["restart_s"] = round(float(f["t"]) / 1e6 - float(e["failed_at"]), 3)
+                    break
+        info["stages"] = stages
+        out.append(info)
+    return out
+
+
+def _in_process_earlier(restarts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The attempts that restarted in place, as lines of ``earlier_attempts``."""
+    out = []
+    for r in restarts:
+        who = r.get("culprits") or []
+        out.append({"attempt": r.get("failed_attempt"), "mode": "in_process", "exit_code": r.get("exit_code"),
+                    "outcome": f"restarted in place after {r.get('error')}", "resumed_from": r.get("resumed_from"),
+                    "last_step": r.get("last_step"), "restart_s": r.get("restart_s"), "stages": r.get("stages"),
+                    "blame": {"ranks": who, "cause": r.get("cause"), "phase": r.get("failed_phase"),
+                              "source": "events"}})
+    return out
+
+
+def _earlier(run_dir: Path, restarts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every earlier attempt, oldest first: relaunched ones from ``attempts/<N>/`` (with ``restart_s``), and those
+    that restarted in place, from the summaries there and from this attempt's events."""
+    relaunched = _with_restart_times(run_dir, earlier_attempts(run_dir))
+    in_place: dict[int, dict[str, Any]] = {}
+    for a in relaunched:
+        a.setdefault("mode", "relaunch")
+        s = safeio.try_json(Path(run_dir) / ATTEMPTS_DIR / str(a["attempt"]) / SUMMARY)
+        if isinstance(s, dict) and isinstance(s.get("in_process_restarts"), list):
+            in_place.update({int(i["attempt"]): i for i in _in_process_earlier(s["in_process_restarts"])
+                             if isinstance(i, dict) and isinstance(i.get("attempt"), int)})
+    in_place.update({int(i["attempt"]): i for i in _in_process_earlier(restarts) if isinstance(i["attempt"], int)})
+    merged = {int(a["attempt"]): a for a in relaunched if int(a["attempt"]) not in in_place or a.get("exit_code")
+              is not None}
+    merged.update({n: i for n, i in in_place.items() if n not in merged})
+    return [merged[n] for n in sorted(merged)]
+
+
 def build(run_dir: Path, launch: Any | None = None) -> dict[str, Any]:
-    """Aggregate a run directory's events into the summary (a failed run gets one too)."""
-    events = {r: valid_events(evs) for r, evs in read_events(run_dir).items()}
+    """Aggregate a run directory's events into the summary (a failed run gets one too): the last attempt's, with the
+    attempts that restarted in place in the same processes before it (``in_process_restarts``)."""
+    every = {r: valid_events(evs) for r, evs in read_events(run_dir).items()}
+    restarted = in_process_restarts(every.get(0, []))
+    events = {r: current_attempt(evs) for r, evs in every.items()}
     spans = {r: rank_spans(r, evs) for r, evs in events.items()}
     status = exit_status(events, launch)
     rank0 = events.get(0, [])
@@ -236,7 +308,8 @@ def build(run_dir: Path, launch: Any | None = None) -> dict[str, Any]:
         "nccl_env_differs_on_ranks": sorted(r for r, evs in events.items()
                                             if (_last(evs, "nccl_env") or {}).get("env")
                                             != (_last(rank0, "nccl_env") or {}).get("env")) or None,
-        "earlier_attempts": _with_restart_times(run_dir, earlier_attempts(run_dir)),
+        "earlier_attempts": _earlier(run_dir, restarted),
+        "in_process_restarts": restarted or None,
         "comm_memory": comm_memory(events),
         "unwarmed_groups": {r: e["unwarmed"] for r, evs in events.items()
                             if (e := _last(evs, "groups_used")) and e.get("unwarmed")} or None,

@@ -125,7 +125,7 @@ class InitPhase:
         with ctx.events.span("init_process_group", group="world", backend=backend, adopted=adopted or None):
             if not adopted:
                 timeout = datetime.timedelta(seconds=ctx.deadline("init"))
-                restarted = restart_store(timeout)
+                restarted = in_process_store(ctx) or restart_store(timeout)
                 if restarted is not None:
                     kwargs["store"] = restarted
                 dist.init_process_group(backend, timeout=timeout, rank=ctx.rank, world_size=ctx.world_size, **kwargs)
@@ -175,6 +175,16 @@ class InitPhase:
             raise PhaseError(f"the resolved policy differs between ranks: ranks {differ} have another sha256 "
                              f"than the majority ({majority[:12]}); launch every rank with the same policy and "
                              f"overrides", phase="init", rank=ctx.rank, group="world")
+
+
+def in_process_store(ctx: RunContext) -> Store | None:
+    """After an in-process restart: the store the last round's groups used, under a prefix of this round (the keys of
+    the groups that failed are never read again). None otherwise."""
+    if ctx.restart_base is None:
+        return None
+    import torch.distributed as dist
+
+    return dist.PrefixStore(f"lifecycle/inproc/{ctx.restart_round}", ctx.restart_base)
 
 
 def restart_store(timeout: datetime.timedelta) -> Store | None:

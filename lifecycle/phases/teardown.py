@@ -145,16 +145,25 @@ class TeardownPhase:
         """
         self._mark("failure")
         ctx.drills.fire("teardown", op="failure")
-        budget = min(FAILURE_STEP_S, ctx.deadline("teardown"))
         with ctx.events.span("teardown:failure", error=type(error).__name__ if error else None):
-            self._release_step_handler(ctx)
-            steps = ["destroy_model_parallel", *(["abort"] if ctx.policy.teardown.failure == "abort" else []),
-                     "destroy_process_group"]
-            for step in steps:
-                self._mark(f"failure:{step}")
-                if not bounded(partial(getattr(self, f"_{step}"), ctx), budget, step):
-                    ctx.events.instant("teardown_skipped", step_name=step, after_s=budget)
-                    log.warning("teardown: %s did not return within %gs; leaving without it", step, budget)
+            self.release(ctx)
+
+    def release(self, ctx: RunContext) -> list[str]:
+        """The step handler, then the process groups in the policy's failure order (``teardown.failure``): each step
+        on a helper thread, given up after a few seconds. The steps given up (an in-process restart cannot build
+        on groups that did not go)."""
+        budget = min(FAILURE_STEP_S, ctx.deadline("teardown"))
+        self._release_step_handler(ctx)
+        skipped = []
+        steps = ["destroy_model_parallel", *(["abort"] if ctx.policy.teardown.failure == "abort" else []),
+                 "destroy_process_group"]
+        for step in steps:
+            self._mark(f"failure:{step}")
+            if not bounded(partial(getattr(self, f"_{step}"), ctx), budget, step):
+                skipped.append(step)
+                ctx.events.instant("teardown_skipped", step_name=step, after_s=budget)
+                log.warning("teardown: %s did not return within %gs; leaving without it", step, budget)
+        return skipped
 
     def _barrier(self, ctx: RunContext) -> None:
         run_points(ctx, "before_teardown", ctx.deadline("teardown"))

@@ -65,6 +65,17 @@ def agree_stop(ctx: RunContext) -> bool:
     return StopFlag(ctx, issued_at=ctx.step).read(ctx, overlapped=False)
 
 
+def leave_for_restart(ctx: RunContext) -> None:
+    """A peer failed and the ranks restart in place (the watchdog saw its alarm): leave the phase now, between two
+    collectives, rather than at the next collective with that peer."""
+    request = ctx.watchdog.restart_request if ctx.watchdog is not None else None
+    if request is not None:
+        from lifecycle.errors import RestartRequested
+
+        raise RestartRequested(f"restarting in place: {getattr(request, 'detail', request)}", phase=ctx.events.phase,
+                               rank=ctx.rank)
+
+
 class Decision(NamedTuple):
     """What a step boundary decided: ``save`` (a checkpoint is due at this step: taken already when lifecycle
     saves the model itself) and ``stop`` (every rank agreed to stop after this step)."""
@@ -109,6 +120,7 @@ class StepLoop:
     def step(self, ctx: RunContext, step: int) -> Iterator[None]:
         """One step span: drills, the step deadline (the watchdog), compute time for stragglers and ``auto``."""
         ctx.events.step = step
+        leave_for_restart(ctx)
         for hook in self.on_step:
             hook(step)
         ctx.drills.fire("train", step=step)
@@ -200,6 +212,7 @@ class StepLoop:
         """Everything that happens between two steps, in the same order on every rank (collective on the default
         group when the stop flag is due, and on the groups of the barrier points and checkpoints)."""
         ck, every = ctx.policy.checkpoint, ctx.policy.barriers.every_n_steps
+        leave_for_restart(ctx)
         stop = False
         if self.flag is not None:  # issued at the last boundary, reduced while this step ran
             stop, self.flag = self.flag.read(ctx, overlapped=True), None

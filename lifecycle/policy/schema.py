@@ -149,6 +149,15 @@ class RestartConfig(Section):
     max_no_progress: int = Field(3, ge=0, le=1000)
     """Attempts in a row that failed without committing a checkpoint newer than the one they started from, after
     which the next attempt refuses to start (exit_codes.no_progress), whoever launches it; 0: never refuse."""
+    mode: Literal["relaunch", "in_process"] = "relaunch"
+    """relaunch: a restart starts new processes. in_process: after an exception on a rank (or a collective divergence
+    caught before the collective) the ranks agree on the store, destroy their process groups, re-create them under a
+    new store prefix, warm them, reload the last committed checkpoint and go on in the same processes; a failure the
+    processes cannot recover from (a dead rank, a hang, a rank that does not come back in time) falls back to a
+    relaunch, saying why. Each restart counts against max_restarts."""
+    in_process_deadline_s: Seconds = 60.0
+    """in_process: how long every rank has, from the failure, to leave its collectives, destroy its process groups
+    and meet the others on the store; a rank that does not make it turns the restart into a relaunch."""
 
 
 class TeardownConfig(Section):

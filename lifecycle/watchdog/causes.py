@@ -13,7 +13,15 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-from lifecycle.errors import HangError, LifecycleError, PolicyError, SequenceMismatch, Shutdown, UsageError
+from lifecycle.errors import (
+    HangError,
+    LifecycleError,
+    PolicyError,
+    RestartRequested,
+    SequenceMismatch,
+    Shutdown,
+    UsageError,
+)
 from lifecycle.jsontypes import Json, JsonDict
 from lifecycle.launch.rundir import read_marker
 from lifecycle.watchdog import diagnosis
@@ -139,6 +147,8 @@ def classify(exc: BaseException) -> str:
         return "sequence"
     if isinstance(exc, Shutdown):
         return "shutdown"
+    if isinstance(exc, RestartRequested):
+        return "peer"  # a peer failed and asked for a restart in place
     from torch.distributed import DistNetworkError, DistStoreError  # a rank's failure path: torch is loaded
 
     if isinstance(exc, DistNetworkError) or isinstance(exc.__cause__, DistNetworkError):

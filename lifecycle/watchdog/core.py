@@ -72,9 +72,11 @@ class Watchdog:
         self.progress = ProgressTracker(ctx.rank, extra=self._extra, members=lambda label: members_of(ctx, label))
         self.failing = False
         self.reported: diagnosis.Diagnosis | None = None
+        self.restart_request: Cause | None = None
         self.grace_s = max(1.0, 2 * self.cfg.poll_interval_s)
         self._stop = threading.Event()
         self._report_lock = threading.Lock()
+        self._restart_lock = threading.Lock()
         self._main_lock = threading.Lock()
         # Two store clients, each on its own I/O thread: the watchdog thread's and the failure path's. A call on
         # a dead connection blocks only that I/O thread, never the thread that must act.
@@ -129,7 +131,7 @@ class Watchdog:
                 if time.monotonic() >= deadline:
                     raise
                 continue
-            return None if store is None else SideChannel(store, self.ctx.policy.run.id)
+            return None if store is None else SideChannel(store, self.ctx.policy.run.id, self.ctx.restart_round)
         return None
 
     def _run(self) -> None:
@@ -226,6 +228,8 @@ class Watchdog:
             return  # the run ended by itself during the grace
         if self.failing:
             return  # the failure path is running; teardown's hard deadline bounds it
+        if self._restart_in_place(cause):
+            return  # the training thread left its phase: it restarts in place (or leaves through its failure path)
         codes = self.ctx.policy.teardown.exit_codes
         self.progress.set_state("aborted", f"watchdog: {cause.kind}")
         self._safe(lambda c: c.publish(self.rank, self.progress.record()), ch)
@@ -242,6 +246,40 @@ class Watchdog:
                        ranks=d.culprits if d is not None else None,
                        detail=f"the report: {self.ctx.run_dir}; every rank's stderr has its own view")
         abort_and_exit(self.ctx, code)
+
+    def _restart_in_place(self, cause: Cause) -> bool:
+        """``restart.mode: in_process`` and a failure the processes survive: ask the training thread to leave its
+        phase (:class:`~lifecycle.errors.RestartRequested` at its next step boundary, or a collective that breaks
+        when the failed rank's groups go) and wait for it up to ``restart.in_process_deadline_s``. True when it
+        left; False when it did not (a collective that cannot be given up): the policy's action follows."""
+        from lifecycle.machine.inprocess import refusal
+
+        restart = self.ctx.policy.restart
+        if restart.mode != "in_process" or not restart.max_restarts or \
+                refusal(self.ctx, self.progress.phase, cause.kind) is not None:
+            return False
+        from lifecycle.distributed.sockets import cut_connections, store_port
+
+        with self._restart_lock:  # never after the training thread began its restart: the new groups' connections
+            if self.failing:
+                return True
+            self.restart_request = cause
+            # The training thread may sit in a collective that waits on the failed rank or on another rank that
+            # does: give it up (gloo cannot abort one) so that it leaves its phase now, not at its deadline.
+            cut = cut_connections(store_port())
+        log.warning("restarting in place after %s: %d connection(s) of this rank's process groups shut down",
+                    cause.detail, cut)
+        end = time.monotonic() + restart.in_process_deadline_s
+        while not self.failing and time.monotonic() < end:
+            if self._stop.wait(0.05):
+                return True
+        if self.failing:
+            return True
+        where = diagnosis.where(self.progress.record(), time.time())
+        print(f"[rank {self.rank}] restart in place not possible: this rank did not leave {where} within "
+              f"{restart.in_process_deadline_s:g}s (a collective that cannot be given up); leaving for a relaunch",
+              file=sys.stderr, flush=True)
+        return False
 
     def report(self, cause: Cause, ch: BoundedChannel[SideChannel]) -> diagnosis.Diagnosis | None:
         """Build, print and record the report; None if this rank already reported.
@@ -327,7 +365,8 @@ class Watchdog:
 
         A torch timeout becomes a :class:`HangError` naming the stuck ranks (exit code ``hang``).
         """
-        self.failing = True
+        with self._restart_lock:
+            self.failing = True
         try:
             return self._on_failure(exc)
         except Exception as err:  # noqa: BLE001 - the original failure is what matters

@@ -6,7 +6,8 @@ and ``lifecycle run`` the launcher hosts it, so it outlives every rank (rank 0 i
 client serialises its calls, so the watchdog thread has its own client (a blocked call there must not
 delay the training thread) and the main thread's failure path another one.
 
-Keys (under ``lifecycle/wd/<run id>/<restart attempt>/`` so a restarted job does not read old ones):
+Keys (under ``lifecycle/wd/<run id>/<restart attempt>/``, then ``ip<N>/`` after N in-process restarts, so a
+restarted job does not read old ones):
 
 - ``rec/<rank>``: the rank's progress record (JSON), re-published at every poll: ``set`` is one
   un-acknowledged message (a few µs), and the record's wall-clock ``t`` doubles as a heartbeat;
@@ -57,9 +58,10 @@ def store_address() -> str:
 class SideChannel:
     """The watchdog's keys on one store client. Each method is one store call unless it says otherwise."""
 
-    def __init__(self, store: Store, run_id: str) -> None:
+    def __init__(self, store: Store, run_id: str, round_: int = 0) -> None:
         self.store = store
-        self.prefix = f"lifecycle/wd/{run_id}/{os.environ.get(ENV_RESTART, '0')}/"
+        inproc = f"ip{round_}/" if round_ else ""  # an in-process restart's round: the last round's alarm is gone
+        self.prefix = f"lifecycle/wd/{run_id}/{os.environ.get(ENV_RESTART, '0')}/{inproc}"
 
     def key(self, name: str) -> str:
         return self.prefix + name

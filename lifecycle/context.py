@@ -43,9 +43,11 @@ class WatchdogHandle(Protocol):
     """This rank's report, once it made one."""
     progress: ProgressTracker
     """What this rank is doing (the op it waits in, the ops it began per group)."""
-    restart_request: object | None
-    """A peer failed and asked for a restart in place (``restart.mode: in_process``): the training thread leaves
-    its phase at the next step boundary."""
+    @property
+    def restart_request(self) -> object | None:
+        """A peer failed and asked for a restart in place (``restart.mode: in_process``): the training thread
+        leaves its phase at the next step boundary."""
+        ...
 
     def peer_records(self, ranks: list[int]) -> dict[int, JsonDict | None]:
         """The heartbeat records of ``ranks`` (None for one without a record)."""

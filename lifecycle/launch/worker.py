@@ -108,7 +108,7 @@ def next_attempt(ctx: RunContext, restart: InProcessRestart) -> RunContext:
         print(f"restart  attempt {restart.attempt} failed (exit {restart.exit_code}): {who}; in-process restart "
               f"{done} of {policy.restart.max_restarts}: the same processes re-create their groups and resume from "
               f"the last committed checkpoint", flush=True)
-    ctx.events.instant("attempt", attempt=attempt, world_size=ctx.world_size, in_process=True)
+    ctx.events.instant("attempt", attempt=attempt, world_size=ctx.world_size, in_process=True, pid=os.getpid())
     drills = Drills(policy.faults, ctx.rank, on_fire=lambda f: _drill_fired(ctx.events, f),
                     crash_code=policy.teardown.exit_codes.rank_failed, attempt=attempt)
     drills.held = ctx.drills.held
@@ -126,7 +126,7 @@ def build_context(policy: Policy, run_dir: Path, rank: int, world: int, local_ra
 
     attempt = _attempt(run_dir, rank)
     events = EventLog(run_dir, rank, local_rank)
-    events.instant("attempt", attempt=attempt, world_size=world)
+    events.instant("attempt", attempt=attempt, world_size=world, pid=os.getpid())
     return RunContext(policy, run_dir, rank, world, local_rank, events,
                       Drills(policy.faults, rank, on_fire=lambda f: _drill_fired(events, f),
                              crash_code=policy.teardown.exit_codes.rank_failed, attempt=attempt),

@@ -3,6 +3,7 @@ attempts that make no progress stop the restarts — real gloo ranks, the synthe
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -55,3 +56,44 @@ def test_attempts_that_never_commit_a_newer_checkpoint_stop_the_restarts_with_th
     fixed = lifecycle_run(tmp_path, 2, *SYNTHETIC, *FAST, "train.steps=12", "checkpoint.every_steps=5",
                           "restart.max_restarts=5", "restart.max_no_progress=2")
     assert fixed.code == 0, fixed.output
+
+
+@pytest.mark.timeout(150)
+def test_a_raise_restarts_in_place_in_the_same_processes_and_resumes(tmp_path: Path) -> None:
+    # Real Megatron (MoE, ep 2): rank 2 raises at step 7 while rank 0 computes (a slow step): rank 2's peers leave
+    # their collectives, rank 0 at its watchdog's word; all re-create their groups and resume from step 5.
+    run = lifecycle_run(tmp_path, 4, *FAST, "train.steps=10", "checkpoint.every_steps=5", "restart.max_restarts=1",
+                        "restart.mode=in_process",
+                        "+faults=[{at: train, step: 7, ranks: [2], action: raise, attempts: [1]}, "
+                        "{at: train, step: 7, ranks: [0], action: slow, seconds: 4, attempts: [1]}]", timeout=140)
+    assert run.code == 0, run.output
+    assert ("restart  attempt 1 failed (exit 4): ranks 2 (failed in phase train); in-process restart 1 of 1"
+            in run.output), run.output
+    assert "attempt 2: resumed from step 5" in run.output
+    assert not (run.run_dir / "attempts" / "1" / "events").exists()  # no relaunch: the same files go on
+    summary = run.summary()
+    assert summary["attempt"] == 2 and summary["loss"]["steps"] == 5 and summary["blame"] is None
+    [first] = summary["earlier_attempts"]
+    assert first["mode"] == "in_process" and first["blame"]["ranks"] == [2] and first["last_step"] == 6
+    assert set(first["stages"]) == {"destroy_s", "agree_s", "init_s", "warmup_s", "load_s", "first_step_s"}
+    assert 0 < first["restart_s"] < 30, first
+    for rank, events in run.events().items():
+        attempts = [e for e in events if e["name"] == "attempt"]
+        assert [a["attempt"] for a in attempts] == [1, 2] and len({a["pid"] for a in attempts}) == 1, rank
+        assert [e["exit_code"] for e in events if e["name"] == "exit"] == [0], rank
+    assert "connection(s) of this rank's process groups shut down" in run.log(0)  # its watchdog took it out
+    ledger = [json.loads(line) for line in (run.run_dir / "restarts.jsonl").read_text().splitlines()]
+    assert [(r["attempt"], r.get("exit_code")) for r in ledger if "exit_code" in r][:2] == [(1, 4), (2, 0)]
+
+
+@pytest.mark.timeout(150)
+def test_a_dead_rank_cannot_restart_in_place_and_falls_back_to_a_relaunch(tmp_path: Path) -> None:
+    run = lifecycle_run(tmp_path, 4, *SYNTHETIC, *FAST, "train.steps=10", "checkpoint.every_steps=5",
+                        "restart.max_restarts=2", "restart.mode=in_process",
+                        "+faults=[{at: train, step: 7, ranks: [2], action: crash, attempts: [1]}]")
+    assert run.code == 0, run.output
+    assert "restart in place not possible (" in run.output and "leaving for a relaunch" in run.output, run.output
+    assert "restart  attempt 1 failed (exit 4): ranks 2 (dead in phase train); restart 1 of 2" in run.output
+    assert (run.run_dir / "attempts" / "1" / "events").is_dir()
+    [first] = run.summary()["earlier_attempts"]
+    assert first["mode"] == "relaunch" and first["exit_code"] == 4

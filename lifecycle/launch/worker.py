@@ -95,7 +95,8 @@ def next_attempt(ctx: RunContext, restart: InProcessRestart) -> RunContext:
     ctx.events.instant("restart_in_process", failed_attempt=restart.attempt, attempt=attempt,
                        exit_code=restart.exit_code, error=restart.error, cause=restart.cause,
                        culprits=restart.culprits, failed_phase=restart.phase, last_step=restart.step,
-                       resumed_from=ctx.resumed_from, failed_at=restart.failed_at, destroy_s=restart.destroy_s,
+                       resumed_from=ctx.resumed_from, failed_at=restart.failed_at, report_s=restart.report_s,
+                       destroy_s=restart.destroy_s,
                        agree_s=restart.agree_s, pid=os.getpid(), restarts_left=left)
     if ctx.rank == 0:
         if ctx.started_attempt:

@@ -60,6 +60,8 @@ class InProcessRestart:
     step: int
     failed_at: float
     """Wall time of the failure on this rank."""
+    report_s: float
+    """From the failure to its report (the connections cut, the alarm, the diagnosis of who is where)."""
     destroy_s: float
     agree_s: float
     base: Store

@@ -113,7 +113,10 @@ class Orchestrator:
         # Bounded like the failure path: a call that blocks cannot keep the process past the agreement.
         timer = HardDeadline(bound + 4 * FAILURE_STEP_S + 10.0, self.exit_code(exc)).start()
         try:
-            if ctx.watchdog is not None:  # tells the peers at once (the alarm) and names the culprit
+            # First, the peers blocked on this rank leave their collectives (gloo cannot abort them), and so do this
+            # rank's own pending ones: each rank that fails cuts at once, so a chain of waits unwinds at once.
+            cut = cut_connections(store_port())
+            if ctx.watchdog is not None:  # tells the peers (the alarm) and names the culprit
                 exc = self.error = ctx.watchdog.on_failure(exc)
             report = ctx.watchdog.reported if ctx.watchdog is not None else None
             kind = classify(exc)
@@ -123,19 +126,17 @@ class Orchestrator:
             log.warning("%s on rank %d in phase %s: %s", type(exc).__name__, ctx.rank, phase, exc,
                         exc_info=exc if kind == "failed" and not isinstance(exc, LifecycleError) else None)
             base = ctx.store
-            with ctx.events.span("restart:destroy") as span:
-                # The peers blocked on this rank leave their collectives now (gloo cannot abort them), and so do
-                # this rank's own pending ones; then the groups go in the policy's failure order.
-                span["connections_cut"] = cut_connections(store_port())
+            report_s = time.monotonic() - t0
+            with ctx.events.span("restart:destroy", connections_cut=cut):  # in the policy's failure order
                 skipped = self.teardown.release(ctx)
-            destroy_s = time.monotonic() - t0
+            destroy_s = time.monotonic() - t0 - report_s
             if base is None:
                 refused = refused or "this rank has no store to agree on"
             elif skipped:
                 refused = refused or f"{', '.join(skipped)} did not return: its process groups cannot be re-created"
             t1 = time.monotonic()
             with ctx.events.span("restart:agree", refused=refused):
-                why = inprocess.agree(ctx, base, refused, max(bound - destroy_s, 1.0)) if base is not None \
+                why = inprocess.agree(ctx, base, refused, max(bound - report_s - destroy_s, 1.0)) if base is not None \
                     else refused
             if why is not None or base is None:
                 print(f"[rank {ctx.rank}] restart in place not possible ({why}): leaving for a relaunch", flush=True)
@@ -147,7 +148,7 @@ class Orchestrator:
             what = report.detail if report is not None else f"{type(exc).__name__}: {exc}"  # the cause, not its echo
             restart = inprocess.InProcessRestart(
                 ctx.attempt, code, what[:300], cause, [int(r) for r in who or []],
-                phase, ctx.step, failed_at, round(destroy_s, 4), round(time.monotonic() - t1, 4), base)
+                phase, ctx.step, failed_at, round(report_s, 4), round(destroy_s, 4), round(time.monotonic() - t1, 4), base)
         finally:
             timer.cancel()
         self._end_current()

@@ -215,7 +215,7 @@ def current_attempt(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def in_process_restarts(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Rank 0's restarts in place (``restart_in_process`` events), each with the seconds from its failure to the next
-    attempt's first step (``restart_s``) and its stages: destroy and agree, then the next attempt's init, warmup,
+    attempt's first step (``restart_s``) and its stages: report, destroy and agree, then the next attempt's init, warmup,
     checkpoint load and first step."""
     out: list[dict[str, Any]] = []
     for i, e in enumerate(events):
@@ -223,7 +223,7 @@ def in_process_restarts(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
             continue
         info = {k: e.get(k) for k in ("failed_attempt", "exit_code", "error", "cause", "culprits", "failed_phase",
                                       "last_step", "resumed_from", "pid")}
-        stages: dict[str, float] = {"destroy_s": e.get("destroy_s") or 0.0, "agree_s": e.get("agree_s") or 0.0}
+        stages: dict[str, float] = {k: e.get(k) or 0.0 for k in ("report_s", "destroy_s", "agree_s")}
         for f in events[i + 1:]:
             if f["name"] == "restart_in_process":
                 break

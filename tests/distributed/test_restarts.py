@@ -75,7 +75,7 @@ def test_a_raise_restarts_in_place_in_the_same_processes_and_resumes(tmp_path: P
     assert summary["attempt"] == 2 and summary["loss"]["steps"] == 5 and summary["blame"] is None
     [first] = summary["earlier_attempts"]
     assert first["mode"] == "in_process" and first["blame"]["ranks"] == [2] and first["last_step"] == 6
-    assert set(first["stages"]) == {"destroy_s", "agree_s", "init_s", "warmup_s", "load_s", "first_step_s"}
+    assert set(first["stages"]) == {"report_s", "destroy_s", "agree_s", "init_s", "warmup_s", "load_s", "first_step_s"}
     assert 0 < first["restart_s"] < 30, first
     for rank, events in run.events().items():
         attempts = [e for e in events if e["name"] == "attempt"]

@@ -116,7 +116,7 @@ def _ev(name: str, kind: str = "instant", t: float = 0.0, **fields: Any) -> dict
 def test_the_summary_takes_the_last_attempt_and_times_each_restart_in_place() -> None:
     events = [_ev("attempt", attempt=1), _ev("step", "end", 1.0, dur_us=1000), _ev("failure", t=2.0),
               _ev("restart_in_process", t=2.5, failed_attempt=1, exit_code=4, error="rank 2 raised X", cause="failed",
-                  culprits=[2], failed_phase="train", last_step=6, failed_at=2.0, destroy_s=0.1, agree_s=0.2),
+                  culprits=[2], failed_phase="train", last_step=6, failed_at=2.0, report_s=0.05, destroy_s=0.1, agree_s=0.2),
               _ev("attempt", t=2.5, attempt=2, in_process=True),
               _ev("phase:init", "end", 3.0, dur_us=400_000), _ev("phase:warmup", "end", 3.2, dur_us=200_000),
               _ev("resume", "end", 3.5, dur_us=300_000), _ev("step", "end", 3.9, dur_us=400_000),
@@ -125,5 +125,5 @@ def test_the_summary_takes_the_last_attempt_and_times_each_restart_in_place() ->
     assert current_attempt(events[:3]) == events[:3]
     [r] = in_process_restarts(events)
     assert r["culprits"] == [2] and r["failed_attempt"] == 1 and r["restart_s"] == pytest.approx(1.9)
-    assert r["stages"] == {"destroy_s": 0.1, "agree_s": 0.2, "init_s": 0.4, "warmup_s": 0.2, "load_s": 0.3,
+    assert r["stages"] == {"report_s": 0.05, "destroy_s": 0.1, "agree_s": 0.2, "init_s": 0.4, "warmup_s": 0.2, "load_s": 0.3,
                            "first_step_s": 0.4}

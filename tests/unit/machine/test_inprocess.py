@@ -51,9 +51,10 @@ def _agree_all(tmp_path: Path, votes: dict[int, str | None], world: int = 4, dea
 
     store = HashStore()
     out: dict[int, Any] = {}
+    ctxs = {r: _ctx(tmp_path, r, world) for r in votes}  # composed here: Hydra's compose is not for threads
 
     def one(rank: int) -> None:
-        out[rank] = inprocess.agree(_ctx(tmp_path, rank, world), store, votes[rank], deadline_s)
+        out[rank] = inprocess.agree(ctxs[rank], store, votes[rank], deadline_s)
 
     threads = [threading.Thread(target=one, args=(r,)) for r in votes]
     for t in threads:

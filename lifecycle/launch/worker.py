@@ -113,9 +113,11 @@ def next_attempt(ctx: RunContext, restart: InProcessRestart) -> RunContext:
     drills = Drills(policy.faults, ctx.rank, on_fire=lambda f: _drill_fired(ctx.events, f),
                     crash_code=policy.teardown.exit_codes.rank_failed, attempt=attempt)
     drills.held = ctx.drills.held
-    return RunContext(policy, ctx.run_dir, ctx.rank, ctx.world_size, ctx.local_rank, ctx.events, drills,
-                      ctx.parallel, attempt=attempt, restarts_left=left, restart_round=ctx.restart_round + 1,
-                      restart_base=restart.base)
+    new = RunContext(policy, ctx.run_dir, ctx.rank, ctx.world_size, ctx.local_rank, ctx.events, drills,
+                     ctx.parallel, attempt=attempt, restarts_left=left, restart_round=ctx.restart_round + 1,
+                     restart_base=restart.base)
+    new.stop.preempt_signal = ctx.stop.preempt_signal  # a preemption that arrived meanwhile still saves and stops
+    return new
 
 
 def build_context(policy: Policy, run_dir: Path, rank: int, world: int, local_rank: int,

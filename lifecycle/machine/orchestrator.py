@@ -127,6 +127,7 @@ class Orchestrator:
                         exc_info=exc if kind == "failed" and not isinstance(exc, LifecycleError) else None)
             base = ctx.store
             report_s = time.monotonic() - t0
+            refused = refused or self._drain_pending_save(bound - report_s)
             with ctx.events.span("restart:destroy", connections_cut=cut):  # in the policy's failure order
                 skipped = self.teardown.release(ctx)
             destroy_s = time.monotonic() - t0 - report_s
@@ -166,6 +167,17 @@ class Orchestrator:
             # The launcher's SIGTERM landed as the failure path began, before it marked itself (``self.error``,
             # which stops the signal handler from raising): nothing of it ran yet, so it starts again, once.
             return self._fail(exc)
+
+    def _drain_pending_save(self, seconds: float) -> str | None:
+        """An async save still writing must finish before the next attempt saves the same step again; why not."""
+        pending, self.ctx.pending_save = self.ctx.pending_save, None
+        if pending is None:
+            return None
+        try:
+            pending.handle.wait_local(max(seconds, 1.0))
+        except Exception as exc:  # noqa: BLE001 - its files are a torn save the next commit clears
+            return f"the async save of step {pending.step} did not finish writing ({type(exc).__name__}: {exc})"
+        return None
 
     def _teardown(self) -> int:
         self._enter(TERMINAL)

@@ -102,6 +102,12 @@ class TeardownPhase:
                                   else None, dl))
             if step == "barrier":
                 actions.extend(barrier_actions(policy, "before_teardown", dl))
+        restart = policy.restart
+        if restart.mode == "in_process" and restart.max_restarts:
+            actions.append(Action("restart_in_place", None, restart.in_process_deadline_s,
+                                  f"instead of the failure path, up to {restart.max_restarts} times: cut the groups' "
+                                  f"connections, destroy, agree on the store, then init again in this process",
+                                  when="an exception or a divergence in warmup, train or checkpoint", event=None))
         actions.append(Action("hard_deadline", None, policy.teardown.deadline_s,
                               f"os._exit({policy.teardown.exit_codes.teardown_deadline}) when passed; "
                               f"failure path: {policy.teardown.failure}", event=None))

@@ -446,6 +446,9 @@ def cross_field_issues(p: Policy) -> list[PolicyIssue]:
         issues.append(PolicyIssue("restart.max_restarts", "a restart resumes from the last committed checkpoint, "
                                   "which checkpoint.resume=never forbids; set checkpoint.resume=auto or no restarts",
                                   p.restart.max_restarts))
+    if p.restart.mode == "in_process" and not p.restart.max_restarts:
+        issues.append(PolicyIssue("restart.mode", "in_process restarts nothing with restart.max_restarts=0; set "
+                                  "restart.max_restarts (each restart, in place or not, counts)", p.restart.mode))
     if "inter_dist_opt" in p.warmup.required and p.parallelism.dist_opt_instances == 1:
         issues.append(PolicyIssue("warmup.required", "names inter_dist_opt, which megatron creates only with "
                                   "parallelism.dist_opt_instances > 1; raise the instances or drop the group",

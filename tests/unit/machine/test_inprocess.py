@@ -128,3 +128,16 @@ def test_the_summary_takes_the_last_attempt_and_times_each_restart_in_place() ->
     assert r["culprits"] == [2] and r["failed_attempt"] == 1 and r["restart_s"] == pytest.approx(1.9)
     assert r["stages"] == {"report_s": 0.05, "destroy_s": 0.1, "agree_s": 0.2, "init_s": 0.4, "warmup_s": 0.2, "load_s": 0.3,
                            "first_step_s": 0.4}
+
+
+def test_in_process_without_restarts_is_refused_and_the_plan_shows_the_restart() -> None:
+    from lifecycle.errors import PolicyError
+    from lifecycle.machine.plan import build_plan
+    from lifecycle.policy.load import load
+
+    with pytest.raises(PolicyError, match=r"restart\.mode: in_process restarts nothing with restart\.max_restarts=0"):
+        load(["restart.mode=in_process"])
+    plan = build_plan(load(["restart.mode=in_process", "restart.max_restarts=3"]).policy, None).as_dict()
+    [step] = [a for a in plan["teardown"] if a["op"] == "restart_in_place"]
+    assert "up to 3 times" in step["detail"] and step["deadline_s"] == 60.0
+    assert not [a for a in build_plan(load([]).policy, None).as_dict()["teardown"] if a["op"] == "restart_in_place"]

@@ -96,8 +96,7 @@ def next_attempt(ctx: RunContext, restart: InProcessRestart) -> RunContext:
                        exit_code=restart.exit_code, error=restart.error, cause=restart.cause,
                        culprits=restart.culprits, failed_phase=restart.phase, last_step=restart.step,
                        resumed_from=ctx.resumed_from, failed_at=restart.failed_at, report_s=restart.report_s,
-                       destroy_s=restart.destroy_s,
-                       agree_s=restart.agree_s, pid=os.getpid(), restarts_left=left)
+                       destroy_s=restart.destroy_s, agree_s=restart.agree_s, pid=os.getpid(), restarts_left=left)
     if ctx.rank == 0:
         if ctx.started_attempt:
             restarts.record_end(ctx.run_dir, restart.attempt, restart.exit_code)

@@ -140,7 +140,8 @@ class Orchestrator:
                 why = inprocess.agree(ctx, base, refused, max(bound - report_s - destroy_s, 1.0)) if base is not None \
                     else refused
             if why is not None or base is None:
-                print(f"[rank {ctx.rank}] restart in place not possible ({why}): leaving for a relaunch", flush=True)
+                then = "leaving for a relaunch" if ctx.restarts_left > 0 else "leaving (no restarts left)"
+                print(f"[rank {ctx.rank}] restart in place not possible ({why}): {then}", flush=True)
                 ctx.events.instant("restart_refused", why=why)
                 return exc
             ctx.events.instant("failure", error=type(exc).__name__, message=str(exc)[:2000], exit_code=code,

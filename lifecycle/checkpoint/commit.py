@@ -47,7 +47,9 @@ def plan(policy: Policy, view: GroupView | None = None) -> list[Action]:
     dl = policy.deadline("checkpoint")
     when = [f"every {ck.every_steps} steps" if ck.every_steps else "", "at end" if ck.at_end else "",
             f"on {'/'.join(ck.signals)}" if ck.on_signal else ""]
-    digest = ([Action("digest", None, dl, "each rank hashes its share of the files (sha256)"),
+    digest = ([Action("barrier:ckpt_written", "world", dl, "via store; every rank's files are written (rank 0 "
+                      "finalized) before any rank hashes them", when="world size > 1"),
+               Action("digest", None, dl, "each rank hashes its share of the files (sha256)"),
                Action("barrier:ckpt_digested", "world", dl, "via store; the digests reach rank 0",
                       when="world size > 1")]
               if ck.verify == "digest" else [])
@@ -175,6 +177,12 @@ def digest_shares(ctx: RunContext, folder: Path, key: str, deadline: float) -> d
 
     if ctx.policy.checkpoint.verify != "digest":
         return None
+    if ctx.world_size > 1:
+        # Over the store only rank 0 waits for every rank's writes: the others return once theirs are published. A
+        # rank's share holds other ranks' files, so no rank lists or hashes before every rank's are written.
+        with ctx.events.span("barrier:ckpt_written", group="world", via="store"):
+            store_barrier(ctx.require_store(), f"{key}/written", ctx.rank, _all_ranks(ctx), deadline,
+                          phase="checkpoint", group="world")
     names = list(ckptdir.listing(folder)) if folder.is_dir() else []
     with ctx.events.span("digest", path=str(folder)) as extra:
         mine = ckptdir.digests(folder, ckptdir.share(names, ctx.rank, ctx.world_size))

@@ -79,6 +79,7 @@ def run_rank(run_dir: Path, policy: Policy | None = None) -> int:
                 ctx.watchdog.stop()
         if isinstance(result, int):
             return result
+        del orchestrator  # its error's frames hold the failed attempt's model: they go before the next one is built
         ctx = next_attempt(ctx, result)
 
 
@@ -86,10 +87,17 @@ def next_attempt(ctx: RunContext, restart: InProcessRestart) -> RunContext:
     """The context of the attempt after ``restart`` in this process (``restart.mode: in_process``): the same events
     file, drills re-armed for the new attempt, one restart fewer; its init re-creates the process groups on
     ``restart.base`` under a prefix of the new round. Rank 0 records the failed attempt's end and the new attempt."""
+    import gc
+
+    import torch
+
     from lifecycle.context import RunContext
     from lifecycle.distributed.faults import Drills
     from lifecycle.launch import restarts
 
+    gc.collect()  # the failed attempt's model and optimizer (held in cycles with its error) before the next ones
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
     policy, attempt = ctx.policy, restart.attempt + 1
     left = ctx.restarts_left - 1
     ctx.events.instant("restart_in_process", failed_attempt=restart.attempt, attempt=attempt,

@@ -157,8 +157,12 @@ class Watchdog:
         cause = (causes.deadline_passed(self.progress, self.ctx.deadline(phase), self.rank,
                                         how=derivation.text if derivation is not None else None)
                  or causes.from_marker(self.ctx.run_dir) or self._lost())
+        io = self._io
+        if cause is not None and cause.kind == "dead":
+            # A rank that ended is often the consequence of the first failure (its watchdog raised the alarm, then
+            # left): the alarm's cause is the job's one verdict, and every rank reports it.
+            cause = self._safe(lambda c: causes.from_alarm(c, self.rank), io) or cause
         if cause is None:
-            io = self._io
             self._safe(self._publish_and_beat, io)
             cause = (self._safe(lambda c: causes.from_alarm(c, self.rank), io)
                      or self._safe(self._beats.check, io) or self._safe(self._crossed, io))

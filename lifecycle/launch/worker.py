@@ -79,7 +79,10 @@ def run_rank(run_dir: Path, policy: Policy | None = None) -> int:
                 ctx.watchdog.stop()
         if isinstance(result, int):
             return result
-        del orchestrator  # its error's frames hold the failed attempt's model: they go before the next one is built
+        # The failed attempt's error and its frames hold its model and optimizer: they go before the next ones are
+        # built (the signal handlers still hold the old orchestrator until the next ones are installed).
+        orchestrator.error = None
+        del orchestrator
         ctx = next_attempt(ctx, result)
 
 

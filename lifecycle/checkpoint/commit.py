@@ -127,6 +127,12 @@ def finish_pending(ctx: RunContext) -> None:
     t0 = time.monotonic()
     with ctx.events.span("commit", step=pending.step, path=str(pending.final)) as extra:
         _agree(ctx, pending, key, deadline)
+        if ctx.policy.checkpoint.verify == "digest" and ctx.world_size > 1:
+            # Over the store only rank 0 waits for every rank's writes: the others return once theirs are
+            # published. A rank's share holds other ranks' files: none lists or hashes before every rank's are written.
+            with ctx.events.span("barrier:ckpt_written", group="world", via="store"):
+                store_barrier(ctx.require_store(), f"{key}/written", ctx.rank, _all_ranks(ctx), deadline,
+                              phase="checkpoint", group="world")
         ctx.observe("checkpoint", time.monotonic() - t0)  # the wait for every rank's writes: the long part
         sha256 = digest_shares(ctx, pending.tmp, key, deadline)
         if ctx.rank == 0:
@@ -170,19 +176,14 @@ def digest_shares(ctx: RunContext, folder: Path, key: str, deadline: float) -> d
     """``checkpoint.verify: digest``: every rank hashes its share of ``folder``'s files (every rank calls it, once
     every write is durable) and hands the digests to rank 0 through the store; rank 0 gets them all (the files its
     own listing holds that no rank hashed, it hashes itself), the other ranks None. Bounded by a store barrier
-    that names the ranks that did not hand theirs in."""
+    that names the ranks that did not hand theirs in. The caller makes sure every rank's files are written (the
+    ``barrier:ckpt_written`` of both commit paths)."""
     import json
 
     from lifecycle.distributed.barrier import store_barrier
 
     if ctx.policy.checkpoint.verify != "digest":
         return None
-    if ctx.world_size > 1:
-        # Over the store only rank 0 waits for every rank's writes: the others return once theirs are published. A
-        # rank's share holds other ranks' files, so no rank lists or hashes before every rank's are written.
-        with ctx.events.span("barrier:ckpt_written", group="world", via="store"):
-            store_barrier(ctx.require_store(), f"{key}/written", ctx.rank, _all_ranks(ctx), deadline,
-                          phase="checkpoint", group="world")
     names = list(ckptdir.listing(folder)) if folder.is_dir() else []
     with ctx.events.span("digest", path=str(folder)) as extra:
         mine = ckptdir.digests(folder, ckptdir.share(names, ctx.rank, ctx.world_size))

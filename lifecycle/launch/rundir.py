@@ -269,7 +269,7 @@ def earlier_attempts(run_dir: Path) -> list[JsonDict]:
         s = safeio.try_json(root / str(n) / SUMMARY)  # a FIFO, junk or 10^5 brackets there: no summary
         if isinstance(s, dict):
             info.update({k: s.get(k) for k in ("exit_code", "outcome", "resumed_from", "stop_step", "last_step",
-                                               "blame")})
+                                               "blame", "in_process_restarts")})
         else:
             info["outcome"] = "no summary (the launcher did not finish)"
         out.append(info)

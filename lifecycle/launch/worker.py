@@ -23,6 +23,7 @@ from lifecycle.launch.rundir import RESOLVED, has_marker
 
 if TYPE_CHECKING:
     from lifecycle.context import RunContext
+    from lifecycle.distributed.faults import Drills
     from lifecycle.distributed.parallel import ParallelState
     from lifecycle.machine.inprocess import InProcessRestart
     from lifecycle.machine.orchestrator import Orchestrator
@@ -95,7 +96,6 @@ def next_attempt(ctx: RunContext, restart: InProcessRestart) -> RunContext:
     import torch
 
     from lifecycle.context import RunContext
-    from lifecycle.distributed.faults import Drills
     from lifecycle.launch import restarts
 
     gc.collect()  # the failed attempt's model and optimizer (held in cycles with its error) before the next ones
@@ -120,8 +120,7 @@ def next_attempt(ctx: RunContext, restart: InProcessRestart) -> RunContext:
               f"{done} of {policy.restart.max_restarts}: the same processes re-create their groups and resume from "
               f"the last committed checkpoint", flush=True)
     ctx.events.instant("attempt", attempt=attempt, world_size=ctx.world_size, in_process=True, pid=os.getpid())
-    drills = Drills(policy.faults, ctx.rank, on_fire=lambda f: _drill_fired(ctx.events, f),
-                    crash_code=policy.teardown.exit_codes.rank_failed, attempt=attempt)
+    drills = _drills(policy, ctx.rank, ctx.events, attempt)
     drills.held = ctx.drills.held
     new = RunContext(policy, ctx.run_dir, ctx.rank, ctx.world_size, ctx.local_rank, ctx.events, drills,
                      ctx.parallel, attempt=attempt, restarts_left=left, restart_round=ctx.restart_round + 1,
@@ -134,16 +133,21 @@ def build_context(policy: Policy, run_dir: Path, rank: int, world: int, local_ra
                   parallel: ParallelState) -> RunContext:
     """This rank's context: its attempt, its event log (the ``attempt`` event first), the policy's drills."""
     from lifecycle.context import RunContext
-    from lifecycle.distributed.faults import Drills
     from lifecycle.obs.events import EventLog
 
     attempt = _attempt(run_dir, rank)
     events = EventLog(run_dir, rank, local_rank)
     events.instant("attempt", attempt=attempt, world_size=world, pid=os.getpid())
-    return RunContext(policy, run_dir, rank, world, local_rank, events,
-                      Drills(policy.faults, rank, on_fire=lambda f: _drill_fired(events, f),
-                             crash_code=policy.teardown.exit_codes.rank_failed, attempt=attempt),
+    return RunContext(policy, run_dir, rank, world, local_rank, events, _drills(policy, rank, events, attempt),
                       parallel, attempt=attempt, restarts_left=_restarts_left(policy))
+
+
+def _drills(policy: Policy, rank: int, events: EventLog, attempt: int) -> Drills:
+    """The policy's drills of ``attempt`` on this rank, each firing recorded in its events."""
+    from lifecycle.distributed.faults import Drills
+
+    return Drills(policy.faults, rank, on_fire=lambda f: _drill_fired(events, f),
+                  crash_code=policy.teardown.exit_codes.rank_failed, attempt=attempt)
 
 
 def _restarts_left(policy: Policy) -> int:

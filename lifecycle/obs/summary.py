@@ -258,10 +258,11 @@ def _earlier(run_dir: Path, restarts: list[dict[str, Any]]) -> list[dict[str, An
     in_place: dict[int, dict[str, Any]] = {}
     for a in relaunched:
         a.setdefault("mode", "relaunch")
-        s = safeio.try_json(Path(run_dir) / ATTEMPTS_DIR / str(a["attempt"]) / SUMMARY)
-        if isinstance(s, dict) and isinstance(s.get("in_process_restarts"), list):
-            in_place.update({int(i["attempt"]): i for i in _in_process_earlier(s["in_process_restarts"])
-                             if isinstance(i, dict) and isinstance(i.get("attempt"), int)})
+        before = a.pop("in_process_restarts", None)  # restarts in place within that attempt's processes
+        if isinstance(before, list):
+            in_place.update({int(i["attempt"]): i for i in _in_process_earlier([r for r in before
+                                                                                if isinstance(r, dict)])
+                             if isinstance(i.get("attempt"), int)})
     in_place.update({int(i["attempt"]): i for i in _in_process_earlier(restarts) if isinstance(i["attempt"], int)})
     merged = {int(a["attempt"]): a for a in relaunched if int(a["attempt"]) not in in_place or a.get("exit_code")
               is not None}

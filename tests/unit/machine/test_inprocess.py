@@ -141,3 +141,20 @@ def test_in_process_without_restarts_is_refused_and_the_plan_shows_the_restart()
     [step] = [a for a in plan["teardown"] if a["op"] == "restart_in_place"]
     assert "up to 3 times" in step["detail"] and step["deadline_s"] == 60.0
     assert not [a for a in build_plan(load([]).policy, None).as_dict()["teardown"] if a["op"] == "restart_in_place"]
+
+
+def test_a_relaunch_after_a_restart_in_place_lists_both_earlier_attempts(tmp_path: Path) -> None:
+    import json
+
+    from lifecycle.obs.summary import build
+
+    (tmp_path / "attempts" / "1").mkdir(parents=True)  # restarted in place: only its hang report was kept
+    (tmp_path / "attempts" / "1" / "hang_report.json").write_text("{}")
+    (tmp_path / "attempts" / "2").mkdir()
+    (tmp_path / "attempts" / "2" / "summary.json").write_text(json.dumps({
+        "exit_code": 3, "outcome": "rank 1 hung", "last_step": 9, "in_process_restarts": [
+            {"failed_attempt": 1, "exit_code": 4, "error": "rank 2 raised X", "cause": "failed", "culprits": [2],
+             "failed_phase": "train", "last_step": 6, "restart_s": 0.7, "stages": {"report_s": 0.5}}, "junk"]}))
+    earlier = build(tmp_path)["earlier_attempts"]
+    assert [(a["attempt"], a["mode"], a["exit_code"]) for a in earlier] == [(1, "in_process", 4), (2, "relaunch", 3)]
+    assert earlier[0]["blame"]["ranks"] == [2] and "in_process_restarts" not in earlier[1]

@@ -16,7 +16,7 @@ from typing import NoReturn
 
 from lifecycle.distributed.layout import MAX_WORLD_SIZE
 from lifecycle.errors import ExitCode, LifecycleError, PolicyError, exit_code
-from lifecycle.obs.logconfig import setup_logging
+from lifecycle.obs.logconfig import reader_may_leave, setup_logging
 
 log = logging.getLogger("lifecycle")
 
@@ -98,7 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     _policy_args(p)
     p = sub.add_parser("run", help="run the lifecycle: local ranks, or this rank under torchrun/srun")
-    p.add_argument("--nproc", type=int, default=4, help="local ranks to start (ignored under torchrun/srun)")
+    p.add_argument("--nproc", type=int, default=4, help="local ranks to start (ignored under torchrun/srun); at most "
+                   "the visible GPUs for nccl, for gloo max(8, 4 x CPUs) and what the memory holds at ~0.5 GiB per "
+                   "rank plus the model")
+    p.add_argument("--oversubscribe", action="store_true",
+                   help="start --nproc ranks even above what this machine runs (see --nproc)")
     _policy_args(p)
     p = sub.add_parser("timeline", help="merge a run's per-rank events into a Chrome/Perfetto trace and a PNG")
     p.add_argument("run_dir", help="the run directory")
@@ -178,7 +182,8 @@ def _schema(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     from lifecycle.launch.runner import run
 
-    return run(args.overrides, nproc=args.nproc, config_dir=args.config_dir, config_name=args.config_name)
+    return run(args.overrides, nproc=args.nproc, config_dir=args.config_dir, config_name=args.config_name,
+               oversubscribe=args.oversubscribe)
 
 
 def _timeline(args: argparse.Namespace) -> int:
@@ -218,11 +223,32 @@ def _record_for_torchrun(exc: LifecycleError) -> None:
                        exit_code=exit_code(exc), phase=exc.phase or "before init", group=exc.group)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    setup_logging(args.verbose)
+def _command(args: argparse.Namespace) -> int:
+    """The command; a write the file system refused before any rank started (a full or read-only disk) is a
+    one-line usage error naming the file, not a traceback."""
+    from lifecycle.safeio import storage_error
+
     try:
         return COMMANDS[args.command](args)
+    except OSError as exc:
+        refused = storage_error(exc, {}, before_start=True)
+        if refused is None:
+            raise
+        raise refused from None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command in ("run", "timeline"):  # `lifecycle run | head`: the job still runs to its end, with its code
+        with reader_may_leave():
+            return _main(args)
+    return _main(args)
+
+
+def _main(args: argparse.Namespace) -> int:
+    setup_logging(args.verbose)
+    try:
+        return _command(args)
     except LifecycleError as exc:
         print(f"error: {render_error(exc)}", file=sys.stderr)
         _record_for_torchrun(exc)

@@ -136,6 +136,16 @@ class RunDirError(UsageError):
         self.path = path
 
 
+class StorageError(PhaseError):
+    """A file system refused a rank's write during the run: read-only, full or over its quota.
+    ``path`` names the file, the message the run's folder it lies in (``checkpoint.dir``, ``run.dir``) and what to
+    do. The run failed (exit ``rank_failed``), its input did not; the committed checkpoints stay as they were."""
+
+    def __init__(self, message: str, *, path: str | None = None, **where: object) -> None:
+        super().__init__(message, **where)  # type: ignore[arg-type]
+        self.path = path
+
+
 class Shutdown(BaseException):  # noqa: N818 - a request, not an error: it must pass ``except Exception``
     """The launcher is taking the job down (another rank failed, or a preemption deadline): leave through the
     failure path. A BaseException, so that no ``except Exception`` of a trainer swallows it."""

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lifecycle import safeio
+from lifecycle.checkpoint.binding import MAX_STEP
+from lifecycle.jsontypes import JsonDict
 
 log = logging.getLogger(__name__)
 
@@ -47,9 +49,13 @@ def iter_name(step: int) -> str:
 
 
 def step_of(name: str) -> int | None:
-    """The step of an ``iter_NNNNNNN`` folder name, else None (``.tmp`` and set-aside folders included)."""
+    """The step of an ``iter_NNNNNNN`` folder name, else None (``.tmp`` and set-aside folders included, and a step
+    beyond :data:`~lifecycle.checkpoint.binding.MAX_STEP`, which no run reaches: a forged name)."""
     m = _ITER.match(name)
-    return int(m.group(1)) if m else None
+    if not m or len(m.group(1)) > 19:
+        return None
+    step = int(m.group(1))
+    return step if step <= MAX_STEP else None
 
 
 def fsync_dir(path: Path) -> None:
@@ -92,14 +98,41 @@ def digests(folder: Path, names: list[str]) -> dict[str, str]:
     return {name: digest(folder / name) for name in names}
 
 
-def write_manifest(folder: Path, sha256: dict[str, str] | None = None) -> None:
+def write_manifest(folder: Path, sha256: dict[str, str] | None = None, *, step: int | None = None,
+                   layout: JsonDict | None = None, options: JsonDict | None = None) -> None:
     """Record every file of ``folder`` with its size and, for those in ``sha256``, its content digest (rank 0, at
-    commit, after every rank's writes are durable; the ranks digest their shares, see :func:`share`)."""
+    commit, after every rank's writes are durable; the ranks digest their shares, see :func:`share`), and what the
+    files are bound to: the ``step`` they hold and the ``layout`` they were written with
+    (:mod:`lifecycle.checkpoint.binding`)."""
     sha256 = sha256 or {}
     files: dict[str, object] = {}
     for name, size in listing(folder).items():
         files[name] = {"bytes": size, "sha256": sha256[name]} if name in sha256 else size
-    _atomic_write(folder / MANIFEST, json.dumps({"format": 2, "files": files}, indent=0))
+    bound = {"step": step, "layout": layout, "options": options} if step is not None else {}
+    _atomic_write(folder / MANIFEST, json.dumps({"format": 3 if bound else 2, **bound, "files": files}, indent=0))
+
+
+@dataclass(frozen=True)
+class Binding:
+    """What a manifest says its files are bound to (None: a manifest written before it was recorded)."""
+
+    step: int | None
+    layout: JsonDict | None
+    options: JsonDict | None = None
+
+
+def read_binding(folder: Path) -> Binding:
+    """The step and layout ``folder``'s manifest records; Binding(None, None) when it records none or cannot be
+    read (:func:`problem` names an unreadable manifest)."""
+    try:
+        data = safeio.read_json(folder / MANIFEST, limit=64 << 20)
+    except (safeio.RunDirError, OSError):
+        return Binding(None, None)
+    if not isinstance(data, dict):
+        return Binding(None, None)
+    step, layout, opts = data.get("step"), data.get("layout"), data.get("options")
+    return Binding(step if isinstance(step, int) and not isinstance(step, bool) else None,
+                   layout if isinstance(layout, dict) else None, opts if isinstance(opts, dict) else None)
 
 
 @dataclass(frozen=True)
@@ -149,6 +182,10 @@ def problem(folder: Path) -> str | None:
         return f"{MANIFEST} is unreadable ({str(exc).split(': ', 1)[-1].split(';')[0]})"
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         return f"{MANIFEST} is unreadable ({type(exc).__name__})"
+    bound = read_binding(folder).step
+    if bound is not None and bound != step_of(folder.name):
+        return (f"{MANIFEST} records step {bound}: the folder holds the files of another save (copied or moved "
+                f"there), not step {step_of(folder.name)}")
     for name, entry in (listed or {}).items():
         path = folder / name
         try:
@@ -272,18 +309,30 @@ def set_aside(folder: Path, why: str, *, kind: str = "corrupt") -> Path:
 
 def prune(root: Path, keep_last: int, protect: set[str]) -> list[Path]:
     """Delete complete checkpoints beyond the newest ``keep_last`` (0 keeps all), never the tracker's, never
-    one in ``protect``, never an incomplete one (those are not counted either)."""
+    one in ``protect``, never an incomplete one (those are not counted either), and never through a symbolic link
+    (a linked checkpoint is not the run's own: it is left, and counted). A folder that cannot be deleted is logged
+    and left: pruning happens after the commit, which it must never undo or fail."""
     if keep_last == 0:
         return []
     tracked = read_tracker(root).name
     complete = [p for p in committed(root) if problem(p) is None]
     keep = {p.name for p in complete[-keep_last:]} | set(protect) | ({tracked} if tracked else set())
     doomed = [p for p in complete if p.name not in keep]
+    pruned = []
     for path in doomed:
-        shutil.rmtree(path)
-    if doomed:
+        if path.is_symlink():
+            log.warning("checkpoint %s is a symbolic link (to %s): not pruned, lifecycle deletes only its own "
+                        "folders", path, os.readlink(path))
+            continue
+        try:
+            shutil.rmtree(path)
+        except OSError as exc:
+            log.warning("checkpoint %s could not be pruned (%s); it stays", path, exc.strerror or exc)
+            continue
+        pruned.append(path)
+    if pruned:
         fsync_dir(root)
-    return doomed
+    return pruned
 
 
 def set_aside_untracked(root: Path, tracked: str | None) -> list[Path]:

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from lifecycle.checkpoint import ckptdir
+from lifecycle.checkpoint import binding, ckptdir
 from lifecycle.checkpoint.pending import PendingSave
 from lifecycle.errors import CheckpointError, PhaseError
 from lifecycle.launch import rundir
@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
     from lifecycle.context import RunContext
     from lifecycle.handlers.protocols import StepHandler
+    from lifecycle.jsontypes import JsonDict
     from lifecycle.policy.schema import Policy
 
 log = logging.getLogger(__name__)
@@ -227,7 +228,8 @@ def _commit(ctx: RunContext, pending: PendingSave, sha256: dict[str, str] | None
     _fence(ctx, pending.step)
     root = pending.final.parent
     _learned(ctx, pending.tmp, sha256)
-    ckptdir.write_manifest(pending.tmp, sha256)
+    ckptdir.write_manifest(pending.tmp, sha256, step=pending.step, layout=_layout(ctx),
+                           options=binding.options(ctx.policy, own_loop=ctx.own_loop))
     ckptdir.fsync_dir(pending.tmp)
     tracked = ckptdir.read_tracker(root).name
     if pending.final.exists():
@@ -294,7 +296,7 @@ class TrainerSave:
                 _fence(ctx, self.step)
                 if path.is_dir():
                     _learned(ctx, path, sha256)
-                _commit_folder(path, self.step, sha256)
+                _commit_folder(path, self.step, sha256, _layout(ctx))
             with ctx.events.span("barrier:ckpt_committed", group="world", via="store"):
                 store_barrier(ctx.require_store(), f"{key}/committed", ctx.rank, _all_ranks(ctx), self.deadline,
                               phase="checkpoint", group="world")
@@ -308,13 +310,17 @@ class Phases(Protocol):
     def enter(self, phase: str) -> None: ...
 
 
-def _commit_folder(path: Path, step: int, sha256: dict[str, str] | None) -> None:
+def _layout(ctx: RunContext) -> JsonDict:
+    return binding.layout(ctx.policy, ctx.world_size, own_loop=ctx.own_loop)
+
+
+def _commit_folder(path: Path, step: int, sha256: dict[str, str] | None, layout: JsonDict) -> None:
     """Rank 0, once every rank's writes are done: the manifest, fsync, then the trackers (atomically)."""
     if not path.is_dir():
         raise CheckpointError(f"job.checkpoint({step}): the trainer's save left no folder at {path}; nothing to "
                               f"commit (the trackers still name the last committed checkpoint)", path=str(path),
                               phase="checkpoint", rank=0)
-    ckptdir.write_manifest(path, sha256)
+    ckptdir.write_manifest(path, sha256, step=step, layout=layout)
     ckptdir.fsync_dir(path)
     ckptdir.write_tracker(path.parent, step)
     log.info("checkpoint step %d committed (the trainer's save): %s", step, path)

@@ -28,9 +28,9 @@ FORMAT = 1
 
 
 def _layout(ctx: RunContext) -> JsonDict:
-    par = ctx.policy.parallelism
-    return {"world_size": ctx.world_size, "tp": par.tp, "pp": par.pp, "cp": par.cp, "ep": par.ep,
-            "etp": par.expert_tp, "dist_opt_instances": par.dist_opt_instances}
+    from lifecycle.checkpoint.binding import layout
+
+    return layout(ctx.policy, ctx.world_size, own_loop=ctx.own_loop)
 
 
 def write(ctx: RunContext, folder: Path) -> bool:

@@ -53,7 +53,7 @@ class LocalFilesSave:
                                 missing=[self.rank], phase="checkpoint", rank=self.rank, deadline_s=timeout_s)
         if self._error is not None:
             raise PhaseError(f"rank {self.rank}: checkpoint write failed: {self._error}", phase="checkpoint",
-                             rank=self.rank)
+                             rank=self.rank) from self._error  # a full disk behind it is named as such
         return [self.rank]
 
     def finalize_via_store(self, store: Any, key: str, timeout_s: float) -> None:

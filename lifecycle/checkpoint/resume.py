@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lifecycle.checkpoint import ckptdir
+from lifecycle.checkpoint import binding, ckptdir
 from lifecycle.checkpoint.commit import step_handler
 from lifecycle.errors import CheckpointError, Shutdown
 
@@ -28,31 +29,47 @@ def _is_interrupt(exc: BaseException) -> bool:
 
 def _try_load(ctx: RunContext, path: Path) -> str | None:
     """Load ``path`` on this rank; the reason it failed, or None. torch's CheckpointException derives from
-    BaseException: everything but an interrupt is a load failure here."""
+    BaseException: everything but an interrupt is a load failure here. A failed load leaves ``ctx.step`` as it was."""
+    before = ctx.step
     try:
         with ctx.events.span("resume", path=str(path)):
-            ctx.step = int(step_handler(ctx).load(ctx, path))
+            loaded = int(step_handler(ctx).load(ctx, path))
+            if not 0 <= loaded <= binding.MAX_STEP:
+                raise ValueError(f"the files hold step {loaded}, which no run reaches (forged or corrupted)")
+            ctx.step = loaded
     except BaseException as exc:  # noqa: BLE001 - see the docstring
         if _is_interrupt(exc):
             raise
+        ctx.step = before
         return _reason(exc)
     return None
 
 
-def _verify_then_load(ctx: RunContext, path: Path) -> tuple[str | None, list[int], dict[int, int]]:
-    """This rank's reason the checkpoint is unusable (or None), the ranks on which it is, and the step every rank
-    loaded. With ``checkpoint.verify: digest`` every rank first checks its share of the files and the ranks agree on
-    the outcome before any of them starts the load: the load is collective (torch_dist), so a rank that skipped it
+@dataclass
+class Tried:
+    """One candidate tried on every rank: this rank's reason it is unusable (None: usable here), the ranks on which
+    it is not, the step every rank loaded, and whether the ranks ran the load (their state may have changed)."""
+
+    reason: str | None
+    failed: list[int]
+    steps: dict[int, int]
+    loaded: bool
+
+
+def _verify_then_load(ctx: RunContext, path: Path) -> Tried:
+    """With ``checkpoint.verify: digest`` every rank first checks its share of the files and the ranks agree on the
+    outcome before any of them starts the load: the load is collective (torch_dist), so a rank that skipped it
     would leave the others in a mismatched collective."""
     if ctx.policy.checkpoint.verify == "digest":
         with ctx.events.span("verify", path=str(path)):
             changed = ckptdir.changed(path, ctx.rank, ctx.world_size)
         failed, steps = _agree_loaded(ctx, changed is not None)
         if failed:
-            return changed or f"files changed since the commit (found by ranks {failed}; see their logs)", failed, steps
+            why = changed or f"files changed since the commit (found by ranks {failed}; see their logs)"
+            return Tried(why, failed, steps, loaded=False)
     local = _try_load(ctx, path)
     failed, steps = _agree_loaded(ctx, local is not None)
-    return local, failed, steps
+    return Tried(local, failed, steps, loaded=True)
 
 
 def _reason(exc: BaseException) -> str:
@@ -88,19 +105,54 @@ def _agree_loaded(ctx: RunContext, failed: bool) -> tuple[list[int], dict[int, i
     return [r for r, row in enumerate(rows) if int(row[0])], {r: int(row[1]) for r, row in enumerate(rows)}
 
 
-def _same_step(ctx: RunContext, path: Path, steps: dict[int, int]) -> None:
-    """Every rank loaded the same step from ``path``, or a CheckpointError (exit 2) on every rank naming who loaded
-    what: resuming ranks at different steps would diverge and hang at the next commit."""
-    if len(set(steps.values())) <= 1:
-        return
+def _same_step(ctx: RunContext, path: Path, steps: dict[int, int]) -> str | None:
+    """Every rank loaded the step ``path`` is named for, or why not: ranks that loaded different steps are a
+    CheckpointError (exit 2) on every rank naming who loaded what (resuming them would diverge and hang at the next
+    commit); every rank at another step than the folder's name is a damaged checkpoint (its files belong to another
+    save), the reason returned."""
     expected = ckptdir.step_of(path.name)
-    by_step: dict[int, list[int]] = {}
-    for rank, step in sorted(steps.items()):
-        by_step.setdefault(step, []).append(rank)
-    shown = "; ".join(f"step {s}: ranks {r}" for s, r in sorted(by_step.items()))
-    raise CheckpointError(f"checkpoint {path} (step {expected}) loads different steps on different ranks ({shown}): "
-                          f"some rank's files belong to another save; remove or restore the checkpoint before "
-                          f"resuming", path=str(path), phase="train", rank=ctx.rank)
+    if len(set(steps.values())) > 1:
+        by_step: dict[int, list[int]] = {}
+        for rank, step in sorted(steps.items()):
+            by_step.setdefault(step, []).append(rank)
+        shown = "; ".join(f"step {s}: ranks {r}" for s, r in sorted(by_step.items()))
+        raise CheckpointError(f"checkpoint {path} (step {expected}) loads different steps on different ranks "
+                              f"({shown}): some rank's files belong to another save; remove or restore the checkpoint "
+                              f"before resuming", path=str(path), phase="train", rank=ctx.rank)
+    loaded = next(iter(steps.values()), expected)
+    if loaded != expected:
+        return f"its files hold step {loaded}, not step {expected} (they belong to another save)"
+    return None
+
+
+def _layout_change(ctx: RunContext, path: Path) -> list[str]:
+    """What differs between what ``path`` was written with (its manifest: the layout, the kind's options) and this
+    run: [] when nothing does (or the manifest predates the record). A layout change the step handler cannot load
+    resharded is a CheckpointError (exit 2) naming it: another world size, layout or model is never damage, and
+    nothing is set aside for it. Local: every rank reads the same manifest and decides the same."""
+    bound = ckptdir.read_binding(path)
+    now = binding.layout(ctx.policy, ctx.world_size, own_loop=ctx.own_loop)
+    saved = bound.layout or {}
+    moved = binding.changes(saved, now)
+    options = binding.option_changes(bound.options, binding.options(ctx.policy, own_loop=ctx.own_loop))
+    if not moved:
+        return options
+    if "kind" in binding.changed_keys(saved, now):
+        why: str | None = f"it holds the state of train.kind {saved.get('kind')}, not {now.get('kind')}"
+    else:
+        rule = getattr(step_handler(ctx), "reshard", None)
+        why = rule(saved, now) if callable(rule) else "this train kind does not load a checkpoint at another layout"
+    if why:
+        raise CheckpointError(f"cannot resume from checkpoint {path}: it was written at {binding.describe(saved)}, this "
+                              f"run is {binding.describe(now)} ({', '.join(moved)}), and {why}. {_NOT_DAMAGE}",
+                              path=str(path), phase="train", rank=ctx.rank)
+    if ctx.rank == 0:
+        print(f"resuming {path.name} resharded: {', '.join(moved)}", flush=True)
+    return moved + options
+
+
+_NOT_DAMAGE = ("A change of layout or model is not damage: nothing was set aside. Run with what it was written with, "
+               "or start a new run (another run.dir or checkpoint.dir)")
 
 
 def resume(ctx: RunContext) -> None:
@@ -108,46 +160,83 @@ def resume(ctx: RunContext) -> None:
 
     ``on_corrupt: error``: a tracker or checkpoint that cannot be used is a :class:`CheckpointError` (exit 2)
     naming the path and the reason. ``fallback``: older complete checkpoints are tried newest first, each
-    rejection logged; rank 0 then sets the rejected ones aside and points the tracker at the one loaded.
+    rejection logged; rank 0 then sets the rejected ones aside and points the tracker at the one loaded. Either
+    way every rank ends on the same step, loaded from a folder whose files hold that step, or every rank starts
+    fresh; a checkpoint of another layout is loaded resharded or refused (:func:`_layout_change`), never set aside.
     """
     ck = ctx.policy.checkpoint
     root = Path(ck.dir)
     found = ckptdir.candidates(root)
     tracker = found.tracker
     fallback = ck.on_corrupt == "fallback"
-    if tracker.error is not None and not fallback:
-        raise CheckpointError(f"cannot resume: the tracker {tracker.path} {tracker.error}; fix or remove it, or "
-                              f"set checkpoint.on_corrupt=fallback to load the newest complete checkpoint",
-                              path=str(tracker.path), phase="train", rank=ctx.rank)
-    if tracker.name is None and tracker.error is None and found.paths and not fallback:
-        raise CheckpointError(f"cannot resume: {root} holds checkpoints ({found.paths[0].name} ...) but no tracker "
-                              f"({ckptdir.TRACKER}); set checkpoint.on_corrupt=fallback to load the newest complete "
-                              f"one, or checkpoint.resume=never to start over", path=str(root), phase="train",
-                              rank=ctx.rank)
-    head = str(root / tracker.name) if tracker.name else None
-    if head is not None and head in found.rejected and not fallback:
-        raise CheckpointError(f"cannot resume from checkpoint {head}: {found.rejected[head]}; fix or remove it, or "
-                              f"set checkpoint.on_corrupt=fallback", path=head, phase="train", rank=ctx.rank)
+    _refuse_unusable_head(ctx, root, found, fallback)
     rejected = dict(found.rejected)
     for name, reason in rejected.items():
         log.warning("checkpoint %s is unusable: %s", name, reason)
+    start, touched = ctx.step, False
     for path in found.paths:
-        local, failed, steps = _verify_then_load(ctx, path)
-        if not failed:
-            _same_step(ctx, path, steps)
+        moved = _layout_change(ctx, path)
+        tried = _verify_then_load(ctx, path)
+        touched = touched or tried.loaded
+        why = tried.reason or (f"failed to load on ranks {tried.failed} (see their logs)" if tried.failed else
+                               _same_step(ctx, path, tried.steps))
+        if why is None:
             _loaded(ctx, root, path, tracker, rejected)
             return
-        why = local or f"failed to load on ranks {failed} (see their logs)"
+        ctx.step = start
+        if moved and tried.loaded:
+            raise CheckpointError(f"cannot resume from checkpoint {path} with what changed since it was written "
+                                  f"({', '.join(moved)}): {why}. {_NOT_DAMAGE}", path=str(path), phase="train",
+                                  rank=ctx.rank)
         if not fallback:
             raise CheckpointError(f"cannot resume from checkpoint {path}: {why}; fix or remove it, or set "
                                   f"checkpoint.on_corrupt=fallback", path=str(path), phase="train", rank=ctx.rank)
         log.warning("checkpoint %s is unusable (%s); trying an older one", path, why)
         rejected[str(path)] = why
+    _start_fresh(ctx, root, tracker, rejected, touched)
+
+
+def _refuse_unusable_head(ctx: RunContext, root: Path, found: ckptdir.Candidates, fallback: bool) -> None:
+    """Without ``on_corrupt: fallback``: a tracker that cannot be used, checkpoints without a tracker, or a tracked
+    checkpoint that is not complete are a CheckpointError (exit 2) naming it."""
+    if fallback:
+        return
+    tracker = found.tracker
+    if tracker.error is not None:
+        raise CheckpointError(f"cannot resume: the tracker {tracker.path} {tracker.error}; fix or remove it, or "
+                              f"set checkpoint.on_corrupt=fallback to load the newest complete checkpoint",
+                              path=str(tracker.path), phase="train", rank=ctx.rank)
+    if tracker.name is None and found.paths:
+        raise CheckpointError(f"cannot resume: {root} holds checkpoints ({found.paths[0].name} ...) but no tracker "
+                              f"({ckptdir.TRACKER}); set checkpoint.on_corrupt=fallback to load the newest complete "
+                              f"one, or checkpoint.resume=never to start over", path=str(root), phase="train",
+                              rank=ctx.rank)
+    head = str(root / tracker.name) if tracker.name else None
+    if head is not None and head in found.rejected:
+        raise CheckpointError(f"cannot resume from checkpoint {head}: {found.rejected[head]}; fix or remove it, or "
+                              f"set checkpoint.on_corrupt=fallback", path=head, phase="train", rank=ctx.rank)
+
+
+def _start_fresh(ctx: RunContext, root: Path, tracker: ckptdir.Tracker, rejected: dict[str, str],
+                 touched: bool) -> None:
+    """No candidate loaded on every rank: start from step 0 on every rank, with the state the run starts with (a
+    load that ran and was then rejected may have changed some rank's weights: the step handler rebuilds them), or
+    refuse with ``resume: required``."""
+    ck = ctx.policy.checkpoint
     if ck.resume == "required":
         detail = f"; rejected: {rejected}" if rejected else ""
         raise CheckpointError(f"checkpoint.resume=required but {root} holds no usable checkpoint{detail}; start "
                               f"with checkpoint.resume=auto or point checkpoint.dir at a run", path=str(root),
                               phase="train", rank=ctx.rank)
+    if touched:
+        rebuild = getattr(step_handler(ctx), "rebuild", None)
+        if not callable(rebuild):
+            raise CheckpointError(f"no checkpoint in {root} loads on every rank, and the model was partly loaded "
+                                  f"from the rejected ones ({', '.join(Path(p).name for p in rejected)}): it cannot "
+                                  f"start fresh from that state; restore a checkpoint or start a new run (another "
+                                  f"checkpoint.dir)", path=str(root), phase="train", rank=ctx.rank)
+        log.warning("the model was partly loaded from rejected checkpoints: rebuilding it from run.seed")
+        rebuild(ctx)
     if rejected or tracker.present:
         log.warning("no usable checkpoint in %s: starting from step 0", root)
         if ctx.rank == 0:

@@ -2,11 +2,24 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from pydantic import Field, PositiveFloat, PositiveInt, model_validator
 
 from lifecycle.policy.base import Section
+
+
+class ModelSize(NamedTuple):
+    """The floats a kind's model puts on one rank, as a lower estimate (fp32 weights and one micro-batch's
+    activations): what ``lifecycle validate`` compares with what a rank can allocate. An options model offers it
+    with a ``model_size()`` method (a pack's kind may too)."""
+
+    whole: int
+    """Held whole by every rank."""
+    split: int = 0
+    """Split over the tensor- and pipeline-parallel ranks (tp x pp)."""
+    expert: int = 0
+    """Expert weights, split over ep x etp x pp."""
 
 
 class MegatronGPTOptions(Section):
@@ -48,6 +61,15 @@ class MegatronGPTOptions(Section):
     """Local experts skip their GEMMs on empty input, as TEGroupedMLP and grouped-GEMM kernels do: a rank that
     receives no token then leaves its expert parameters out of autograd (see moe.zero_token)."""
 
+    def model_size(self) -> ModelSize:
+        """Embeddings, attention, router and dense MLP (split) and the experts, plus one micro-batch's logits and
+        layer outputs; biases, norms and the optimizer's state left out."""
+        h, layers, experts = self.hidden, self.num_layers, self.num_experts
+        mlp = h * experts if experts else 2 * h * self.ffn_hidden
+        tokens = self.micro_batch * self.seq_len
+        split = (self.vocab + self.seq_len) * h + layers * (4 * h * h + mlp) + tokens * (self.vocab + layers * h)
+        return ModelSize(0, split, layers * experts * 2 * h * self.ffn_hidden)
+
     @model_validator(mode="after")
     def _shape(self) -> MegatronGPTOptions:
         if self.hidden % self.heads:
@@ -73,3 +95,8 @@ class SyntheticOptions(Section):
     """Extra time per step (simulates compute in drills and benchmarks)."""
     step_jitter_s: float = Field(0.0, ge=0, le=3600, allow_inf_nan=False)
     """Random extra time per step, uniform in [0, step_jitter_s), seeded by run.seed, step and rank (soaks)."""
+
+    def model_size(self) -> ModelSize:
+        """The MLP's two layers and one batch's input, hidden and output activations, on every rank."""
+        h = self.hidden
+        return ModelSize(h * h + 2 * h + 1 + 3 * self.batch * h)

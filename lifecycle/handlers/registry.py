@@ -9,16 +9,18 @@ installed packages add kinds through the entry-point group ``lifecycle.handlers`
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 from dataclasses import dataclass, field
-from importlib.metadata import entry_points
+from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
 from pydantic import BaseModel
 
 from lifecycle.errors import PolicyError
 from lifecycle.handlers.options import MegatronGPTOptions, SyntheticOptions
+from lifecycle.policy import imports
 
 log = logging.getLogger(__name__)
 ENTRY_POINT_GROUP = "lifecycle.handlers"
@@ -34,6 +36,8 @@ class HandlerSpec:
     factory: str
     description: str = ""
     source: str = field(default="built-in", compare=False)
+    entry_point: str = field(default="", compare=False)
+    """``name = module:attr`` of the entry point that registered the kind (empty for a built-in or ``register``)."""
     groups: str = "megatron"
     """Who creates the model-parallel groups the kind runs on: ``megatron`` (megatron-core's ``parallel_state``,
     which the kind may then use itself) or ``torch`` (the same groups made with ``torch.distributed`` alone, by
@@ -78,10 +82,13 @@ def _load_entry_points() -> None:
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         dist = ep.dist.name if ep.dist is not None else "?"
         try:
-            obj = ep.load()
-            specs = obj() if callable(obj) and not isinstance(obj, HandlerSpec) else obj
+            specs = imports.bounded(ep.module, functools.partial(_specs_of, ep))
         except KeyboardInterrupt:
             raise
+        except TimeoutError as exc:
+            log.warning("handler entry point %s (%s) is left out: importing '%s' %s (raise %s if it is only slow)",
+                        ep.name, dist, ep.module, exc, imports.ENV_TIMEOUT)
+            continue
         except BaseException as exc:  # noqa: BLE001 - a broken package (SystemExit included) breaks nothing else
             log.warning("handler entry point %s (%s) failed to load and is left out: %s: %s", ep.name, dist,
                         type(exc).__name__, exc)
@@ -95,10 +102,32 @@ def _load_entry_points() -> None:
                             spec.kind)
                 continue
             try:
-                register(HandlerSpec(spec.kind, spec.phase, spec.options, spec.factory,
-                                     spec.description, source=f"package {dist}", groups=spec.groups))
+                register(HandlerSpec(spec.kind, spec.phase, spec.options, spec.factory, spec.description,
+                                     source=f"package {dist}", groups=spec.groups,
+                                     entry_point=f"{ep.name} = {ep.value}"))
             except ValueError as exc:
                 log.warning("entry point %s (%s) is left out: %s", ep.name, dist, exc)
+
+
+def _specs_of(ep: EntryPoint) -> object:
+    """What the entry point gives: a HandlerSpec, a list of them, or a callable returning either."""
+    obj = ep.load()
+    return obj() if callable(obj) and not isinstance(obj, HandlerSpec) else obj
+
+
+def factory_issue(spec: HandlerSpec) -> str | None:
+    """Why ``spec``'s factory cannot build a step handler (:mod:`lifecycle.handlers.factory`), found without running
+    the factory's module; None when it can, and for the built-in kinds."""
+    if spec in _BUILTINS:
+        return None
+    from lifecycle.handlers.factory import factory_problem
+
+    problem = factory_problem(spec.factory)
+    if problem is None:
+        return None
+    where = f"entry point '{spec.entry_point}' of {spec.source}" if spec.entry_point else f"registered by {spec.source}"
+    return (f"{spec.phase} handler kind '{spec.kind}' ({where}) cannot build a handler: {problem}; fix the entry point "
+            f"or reinstall that package, or choose another kind ({', '.join(k for k in kinds(spec.phase))})")
 
 
 def _ensure() -> None:

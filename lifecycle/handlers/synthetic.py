@@ -20,6 +20,19 @@ from lifecycle.errors import PhaseError
 from lifecycle.handlers.protocols import StepContext
 
 
+def _saved_world(ckpt_dir: Path) -> int:
+    """The world size that wrote ``ckpt_dir`` (its ``metadata.json``)."""
+    import json
+
+    from lifecycle import safeio
+
+    meta = safeio.read_json(ckpt_dir / "metadata.json", limit=1 << 16)
+    world = meta.get("world") if isinstance(meta, dict) else None
+    if not isinstance(world, int) or isinstance(world, bool) or world < 1:
+        raise ValueError(f"{ckpt_dir / 'metadata.json'} names no world size ({json.dumps(meta)[:80]})")
+    return world
+
+
 class SyntheticStep:
     """A 2-layer MLP regression; the loss falls steadily from the seed's initial weights."""
 
@@ -95,9 +108,25 @@ class SyntheticStep:
         if not (ckpt_dir / "metadata.json").is_file():
             raise PhaseError(f"{ckpt_dir} has no metadata.json (not a committed checkpoint)", phase="train",
                              rank=ctx.rank)
-        state = torch.load(ckpt_dir / f"rank_{ctx.rank}.pt", weights_only=True, map_location=self.device)
+        written_by = _saved_world(ckpt_dir)
+        # Every rank holds the same replica (the gradients are all-reduced over dp): at another world size each rank
+        # loads one of the replicas that were written.
+        state = torch.load(ckpt_dir / f"rank_{ctx.rank % written_by}.pt", weights_only=True, map_location=self.device)
         self.model.load_state_dict(state["model"])
         return int(state["step"])
+
+    @staticmethod
+    def reshard(saved: dict[str, Any], now: dict[str, Any]) -> str | None:
+        """Loads at any layout: the model is a replica on every rank (see :meth:`load`)."""
+        from lifecycle.checkpoint.binding import dp_replicas
+
+        return dp_replicas(saved, now)
+
+    def rebuild(self, ctx: StepContext) -> None:
+        """The model as :meth:`setup` builds it (from ``run.seed``): a resume that loaded and then rejected a
+        checkpoint starts fresh from it. Local."""
+        self.close()
+        self.setup(ctx)
 
     def close(self) -> None:
         self.model = None

@@ -51,5 +51,12 @@ class WatchedModules:
             self.optimizer.load_state_dict(state["optimizer"])
         return int(state["step"])
 
+    @staticmethod
+    def reshard(saved: dict[str, Any], now: dict[str, Any]) -> str | None:
+        """Each rank loads its own ``rank_<R>.pt``: the same world size only."""
+        from lifecycle.checkpoint.binding import per_rank_files
+
+        return per_rank_files(saved, now)
+
     def close(self) -> None:
         self.chunks = []

@@ -14,6 +14,8 @@ import os
 import time
 from pathlib import Path
 
+from lifecycle import safeio
+
 ENV = "TORCHELASTIC_ERROR_FILE"
 _recorded: list[Path] = []
 
@@ -48,10 +50,8 @@ def record_failure(*, rank: int, error: str, message: str, exit_code: int, phase
     }
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data))
-        tmp.replace(path)
-    except OSError:
+        safeio.write_text(path, json.dumps(data))  # a FIFO or device there is refused, a link replaced
+    except (OSError, safeio.RunDirError):
         return None
     _recorded.append(path)
     return path

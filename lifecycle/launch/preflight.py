@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lifecycle.errors import CheckpointError, PolicyError, PolicyIssue, UsageError
+from lifecycle.errors import CheckpointError, PolicyError, PolicyIssue, RunDirError, UsageError
 
 if TYPE_CHECKING:
     from lifecycle.policy.schema import Policy
@@ -39,9 +39,10 @@ def _first_existing(path: Path) -> Path:
     return Path("/")
 
 
-def dir_problem(path_text: str) -> str | None:
+def dir_problem(path_text: str, key: str = "folder") -> str | None:
     """Why ``path_text`` cannot be a folder this run writes into, or None. Creates the folder when missing
-    (the run would create it anyway) and writes and removes one probe file."""
+    (the run would create it anyway) and writes and removes one small probe file (a file of no bytes fits on a
+    full disk). A full or read-only file system is a :class:`~lifecycle.errors.RunDirError` naming ``key``."""
     try:
         path = _resolved(Path(path_text))
         if any(path == s or s in path.parents for s in _SYSTEM):
@@ -51,13 +52,26 @@ def dir_problem(path_text: str) -> str | None:
             where = "is" if existing == path else f"has a parent {existing} that is"
             return f"{where} a file, not a folder"
         path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".lifecycle-probe-{os.getpid()}"
-        fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
-        os.close(fd)
-        probe.unlink()
+        _probe(path)
     except OSError as exc:
+        from lifecycle.safeio import STORAGE_ERRNOS
+
+        if exc.errno in STORAGE_ERRNOS:  # full or read-only: no setting fixes it, one line rather than a list
+            what, fix = STORAGE_ERRNOS[exc.errno]
+            raise RunDirError(f"{key} {path_text} {what} ({exc.strerror}); {fix} or point {key} at another folder",
+                              path=path_text) from None
         return f"is not writable ({exc.strerror or exc})"
     return None
+
+
+def _probe(folder: Path) -> None:
+    probe = folder / f".lifecycle-probe-{os.getpid()}"
+    fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    try:
+        os.write(fd, b"lifecycle\n" * 410)  # 4 KiB: one block, as a rank's first event line would need
+    finally:
+        os.close(fd)
+        probe.unlink()
 
 
 def place_problem(run_dir: str, checkpoint_dir: str) -> list[PolicyIssue]:
@@ -145,11 +159,53 @@ def check_dirs(run_dir: str, checkpoint_dir: str) -> None:
     if issues:
         raise PolicyError(issues, source="before launch")
     for key, value in (("run.dir", run_dir), ("checkpoint.dir", checkpoint_dir)):
-        why = dir_problem(value)
+        why = dir_problem(value, key)
         if why is not None:
             issues.append(PolicyIssue(key, f"{why}; point it at a writable folder", value))
     if issues:
         raise PolicyError(issues, source="before launch")
+    check_run_files(Path(run_dir))
+
+
+def _run_files() -> tuple[str, ...]:
+    from lifecycle.launch import restarts, rundir
+
+    return (rundir.RESOLVED, rundir.SHA256, rundir.SHUTDOWN_MARKER, rundir.HANG_REPORT, rundir.SUMMARY, rundir.TRACE,
+            rundir.TIMELINE_PNG, rundir.OVERRIDES, rundir.ATTEMPT, rundir.LOCK, MARKER, restarts.LEDGER)
+
+
+def check_run_files(run_dir: Path) -> None:
+    """Before anything in ``run_dir`` is read, moved or written: each name lifecycle writes there is missing or a
+    regular file, each of its folders (events/, logs/, attempts/) missing or a folder, and each ``rank_*`` file in
+    events/ and logs/ a regular file. A FIFO, device, socket or symbolic link (appends never follow one) that an
+    earlier run or anyone left there is a :class:`~lifecycle.errors.RunDirError` (exit 2) naming it, not a hang
+    or a write outside the run directory; nothing is written."""
+    from lifecycle import safeio
+
+    hint = "remove it (or move it away) and run again, or use another run.dir"
+    for name in _run_files():
+        safeio.check_writable(run_dir / name, replace=False, hint=hint)
+    for local in run_dir.glob("hang_report.*.json"):
+        safeio.check_writable(local, replace=False, hint=hint)
+    for name in _MANAGED:
+        folder = run_dir / name
+        if (folder.exists() or folder.is_symlink()) and not folder.is_dir():
+            raise RunDirError(f"{folder}: {_what(folder)} where lifecycle keeps its {name}/ folder; remove or "
+                              f"rename it and run again, or use another run.dir", path=str(folder))
+    for name in ("events", "logs"):
+        for entry in _rank_entries(run_dir / name):
+            safeio.check_writable(entry, replace=False, hint=hint)
+
+
+def _what(path: Path) -> str:
+    return "is a regular file" if path.is_file() and not path.is_symlink() else "is not a folder"
+
+
+def _rank_entries(folder: Path) -> list[Path]:
+    try:
+        return sorted(folder.glob("rank_*")) if folder.is_dir() else []
+    except OSError:
+        return []
 
 
 def _int_env(name: str, value: str | None, *, default: int | None = None) -> int:

@@ -39,15 +39,29 @@ def _new_run_id() -> str:
 
 
 def run(overrides: Sequence[str], *, nproc: int = 4, config_dir: str | None = None,
-        config_name: str = "config") -> int:
+        config_name: str = "config", oversubscribe: bool = False) -> int:
+    """``lifecycle run``. Before any rank starts: the event sinks' packages (exit 2); as one rank of another
+    launcher's job, its rendezvous (:mod:`lifecycle.launch.rendezvous`: rank 0's port, exit 2; a rank 0 that never
+    comes, exit 3); as the local launcher, ``nproc`` against what this machine runs (:mod:`lifecycle.launch.capacity`,
+    exit 2 unless ``oversubscribe``)."""
+    from lifecycle.launch import capacity, rendezvous
+    from lifecycle.launch.preflight import check_rendezvous_env, rank_env
+    from lifecycle.obs import sinks
     from lifecycle.policy.load import load
 
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        rank = rank_env()[0]
+        check_rendezvous_env()
+        policy = load(overrides, config_dir=config_dir, config_name=config_name).policy
+        sinks.check(sinks.from_env())
+        rendezvous.check(rank, policy.deadline("init"))
         return _run_as_rank(overrides, config_dir, config_name)
     if nproc < 1:
         raise UsageError(f"--nproc must be >= 1 (got {nproc})")
     os.environ.setdefault("LIFECYCLE_RUN_ID", _new_run_id())
     loaded = load(overrides, config_dir=config_dir, config_name=config_name)
+    sinks.check(sinks.from_env())
+    capacity.check_nproc(loaded.policy, nproc, oversubscribe=oversubscribe)
     return launch(loaded.policy, nproc, overrides=overrides)
 
 

@@ -91,6 +91,7 @@ class Orchestrator:
             self.handlers["train"].run(self.ctx)
             return self._teardown()
         except BaseException as exc:  # noqa: BLE001 - every failure takes the failure edge
+            exc = self._explained(exc)
             if self.ctx.policy.restart.mode == "in_process" and self.ctx.policy.restart.max_restarts:
                 restart = self._restart_in_place(exc)
                 if isinstance(restart, InProcessRestart):
@@ -162,12 +163,22 @@ class Orchestrator:
 
     def fail(self, exc: BaseException) -> int:
         """The failure edge for ``exc``; the policy's exit code."""
+        exc = self._explained(exc)
         try:
             return self._fail(exc)
         except Shutdown:
             # The launcher's SIGTERM landed as the failure path began, before it marked itself (``self.error``,
             # which stops the signal handler from raising): nothing of it ran yet, so it starts again, once.
             return self._fail(exc)
+
+    def _explained(self, exc: BaseException) -> BaseException:
+        """A write a file system refused (read-only, full, over quota) as one line naming the run's folder it hit
+        (:class:`~lifecycle.errors.StorageError`, logged without a traceback: the disk is at fault, not the code)."""
+        from lifecycle.safeio import storage_error
+
+        folders = {"checkpoint.dir": self.ctx.policy.checkpoint.dir, "run.dir": str(self.ctx.run_dir)}
+        fallback = "checkpoint.dir" if self.current == "checkpoint" else None
+        return storage_error(exc, folders, fallback) or exc
 
     def _drain_pending_save(self, seconds: float) -> str | None:
         """An async save still writing must finish before the next attempt saves the same step again; why not."""

@@ -95,7 +95,7 @@ def plot(events: dict[int, list[dict[str, Any]]], path: Path, *, title: str = ""
 
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi)
-    safeio.write_bytes(path, buf.getvalue())  # replaced atomically: a FIFO left at the path is never opened
+    safeio.write_bytes(path, buf.getvalue())  # replaced atomically; a device or FIFO there is refused
     return path
 
 

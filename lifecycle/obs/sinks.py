@@ -29,13 +29,31 @@ class Sink(Protocol):
 
 SinkFactory = Callable[[Path, int], Sink]
 _REGISTRY: dict[str, SinkFactory] = {}
+_REQUIRES: dict[str, tuple[str, ...]] = {}
 
 
-def register(name: str, factory: SinkFactory, *, replace: bool = False) -> None:
-    """Make ``factory(run_dir, rank) -> Sink`` available as ``name``."""
+def register(name: str, factory: SinkFactory, *, replace: bool = False, requires: Sequence[str] = ()) -> None:
+    """Make ``factory(run_dir, rank) -> Sink`` available as ``name``; ``requires``: the importable packages it needs
+    (pip names alike), checked before any rank starts (:func:`check`)."""
     if name in _REGISTRY and not replace:
         raise ValueError(f"sink '{name}' is already registered; pass replace=True to override it")
     _REGISTRY[name] = factory
+    _REQUIRES[name] = tuple(requires)
+
+
+def check(sink_names: Sequence[str]) -> None:
+    """Before any rank starts: every sink is known and its packages are installed (found, not imported), else a
+    UsageError (exit 2) naming the sink, the package and the ``pip install`` that fixes it."""
+    import importlib.util
+
+    for name in sink_names:
+        if name not in _REGISTRY:
+            raise UsageError(f"{ENV} names an unknown event sink '{name}'. Available names: "
+                             f"{', '.join(names()) or '(none)'}")
+        missing = [pkg for pkg in _REQUIRES.get(name, ()) if importlib.util.find_spec(pkg) is None]
+        if missing:
+            raise UsageError(f"{ENV} names the event sink '{name}', which needs the package {', '.join(missing)}: "
+                             f"not installed; pip install {' '.join(missing)} (or remove '{name}' from {ENV})")
 
 
 def names() -> list[str]:
@@ -111,4 +129,4 @@ class TensorBoardSink:
             self.writer = None
 
 
-register("tensorboard", TensorBoardSink)
+register("tensorboard", TensorBoardSink, requires=("tensorboard",))

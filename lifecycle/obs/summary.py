@@ -359,7 +359,7 @@ def blame(run_dir: Path, s: dict[str, Any]) -> dict[str, Any] | None:
 
 def write(run_dir: Path, summary: dict[str, Any]) -> Path:
     path = Path(run_dir) / SUMMARY
-    safeio.write_text(path, json.dumps(summary, indent=1, default=str))  # replaces whatever is there, a FIFO too
+    safeio.write_text(path, json.dumps(summary, indent=1, default=str))  # a FIFO there: refused, never opened
     return path
 
 

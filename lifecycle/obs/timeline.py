@@ -225,10 +225,9 @@ def write_streaming(heads: dict[int, _Head], path: Path, meta: dict[str, Any]
     pids = {h: i for i, h in enumerate(hosts)}
     drawn: dict[int, list[dict[str, Any]]] = {}
     n = 0
-    with safeio.replacing(path) as tmp:
-        raw = open(tmp, "wb")  # noqa: SIM115 - closed by the with below, through the gzip or text wrapper
+    with safeio.replacing(path) as raw:
         binary = gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) if path.suffix == ".gz" else raw
-        with raw, binary, io.TextIOWrapper(binary, encoding="utf-8") as f:
+        with binary, io.TextIOWrapper(binary, encoding="utf-8") as f:
             f.write('{"traceEvents":[')
             sep = ""
             for host, pid in pids.items():
@@ -335,26 +334,42 @@ def _managed(path: Path, run_dir: Path | None) -> str | None:
     return rel.parts[0] if rel.parts and rel.parts[0] in _OWN else None
 
 
+_SYSTEM = (Path("/dev"), Path("/proc"), Path("/sys"))
+
+
 def output_path(path: Path, flag: str, run_dir: Path | None = None) -> Path:
     """``path`` if a file can be written there (its folder is created); else a UsageError naming ``flag``. A file the
-    run directory keeps (events, summary, policy, checkpoints ...) is refused."""
+    run directory keeps (events, summary, policy, checkpoints ...), a device, FIFO or socket, and anything under
+    /dev, /proc or /sys are refused: the trace replaces only a regular file (or a symbolic link, not its target)."""
     try:
         if path.is_dir():
             raise UsageError(f"{flag} {path}: is a directory; give a file name, e.g. {path / 'trace.json'}")
         blocker = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
         if blocker is not None:
             raise UsageError(f"{flag} {path}: {blocker} is a file, not a folder; choose another place")
+        _check_kind(path, flag)
         own = _managed(path, run_dir)
         if own is not None:
             raise UsageError(f"{flag} {path}: would overwrite the run's own {own}; write the trace elsewhere (the "
                              f"default is {run_dir}/trace.json)")
         path.parent.mkdir(parents=True, exist_ok=True)
+        system = next((s for s in _SYSTEM if s == path.parent.resolve() or s in path.parent.resolve().parents), None)
     except OSError as exc:
         raise UsageError(f"{flag} {path}: cannot create its folder ({exc.strerror or exc}); choose a writable "
                          "place") from None
+    if system is not None:
+        raise UsageError(f"{flag} {path}: lies under {system}, a system folder; write it to a file elsewhere")
     if not os.access(path.parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
         raise UsageError(f"{flag} {path}: not writable; choose a writable place")
     return path
+
+
+def _check_kind(path: Path, flag: str) -> None:
+    """A device, FIFO or socket at ``path`` is refused (UsageError naming ``flag``), never replaced nor opened."""
+    try:
+        safeio.check_writable(path, hint="give the name of a regular file")
+    except UsageError as exc:
+        raise UsageError(f"{flag} {exc}") from None
 
 
 def _writing(path: Path, flag: str, write: Callable[[], Path]) -> Path:

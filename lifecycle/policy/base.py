@@ -25,6 +25,12 @@ def deadline_phase(key: str) -> str:
 imports nothing from the machine)."""
 
 
+MAX_STEP = (1 << 62) - 1
+"""The largest train step: steps travel between the ranks as int64 (a checkpoint naming a larger one is forged)."""
+Steps = Annotated[int, Field(ge=0, le=MAX_STEP)]
+"""A step count or step number (0 to :data:`MAX_STEP`)."""
+PositiveSteps = Annotated[int, Field(ge=1, le=MAX_STEP)]
+
 MAX_SECONDS = 1e9
 """The longest deadline or timeout (about 31 years): a larger one overflows the timers it sets."""
 

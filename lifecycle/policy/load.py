@@ -30,7 +30,7 @@ from lifecycle.launch.rundir import RESOLVED, SHA256
 from lifecycle.policy import yamlguard
 from lifecycle.policy.errors import clip, from_hydra, from_omegaconf, from_validation
 from lifecycle.policy.interpolation import check_interpolations
-from lifecycle.policy.overrides import check_overrides
+from lifecycle.policy.overrides import check_overrides, quote_unicode
 from lifecycle.policy.packs import Pack, installed_packs, unusable_pack_for
 from lifecycle.policy.roots import ConfigRoot, config_roots
 from lifecycle.policy.schema import Policy, is_schema_path
@@ -137,10 +137,10 @@ def normalize_overrides(overrides: Sequence[str]) -> list[str]:
 
     Hydra only overrides keys present in the composed YAML; policy keys left at their schema default are
     absent there, so a plain ``checkpoint.async=true`` would be refused. A key the schema does not know is
-    passed on unchanged and Hydra's error names it.
+    passed on unchanged and Hydra's error names it. A plain non-ASCII value is quoted (:func:`quote_unicode`).
     """
     out = []
-    for override in overrides:
+    for override in map(quote_unicode, overrides):
         key, sep, _ = override.partition("=")
         if sep and key and key[0] not in "+~" and "." in key and is_schema_path(key):
             override = "++" + override

@@ -24,6 +24,19 @@ MAX_KEY_PARTS = 16
 MAX_KEY_CHARS = 255
 
 SYNTAX_HINT = "use key=value, +key=value, ~key or group=option"
+_STRUCTURE = frozenset("'\"\\$[]{}(),")
+"""Characters with a meaning in Hydra's grammar: a value holding one is left as written."""
+
+
+def quote_unicode(text: str) -> str:
+    """``key=value`` whose plain value holds non-ASCII characters (``run.name=训练``) -> ``key='value'``.
+
+    Hydra's override grammar takes only ASCII in an unquoted value and reports "bad override syntax" for any other
+    letter; the quoted value is the same string."""
+    key, sep, value = text.partition("=")
+    if not sep or value.isascii() or not key.isascii() or _STRUCTURE & set(value):
+        return text
+    return f"{key}='{value.strip()}'"
 
 
 def check_overrides(overrides: Sequence[str], roots: Sequence[ConfigRoot]) -> None:
@@ -53,7 +66,7 @@ def _check_one(text: str, parser: Any, roots: Sequence[ConfigRoot]) -> PolicyIss
     if depth > MAX_NESTING:
         return PolicyIssue(key, f"the value nests {depth} brackets deep; the limit is {MAX_NESTING}", text)
     try:
-        override = parser.parse_overrides([text])[0]
+        override = parser.parse_overrides([quote_unicode(text)])[0]
     except Exception as exc:  # noqa: BLE001 - ANTLR, int() and recursion errors: all a bad override here
         head = str(exc).strip().split("\n")[0]
         if type(exc).__name__ == "OverrideParseException":

@@ -18,7 +18,9 @@ one ``lifecycle policies`` lists and ``explain`` cites, and Hydra's ``pkg://`` s
 package that fails to import instead of saying why.
 
 A broken pack (import error, no or wrong schema version) is left off the search path and breaks nothing
-else; its error is raised when one of its configs is asked for, and shown by ``lifecycle policies``.
+else; its error is raised when one of its configs is asked for, and shown by ``lifecycle policies``. A pack whose
+import does not return within ``LIFECYCLE_IMPORT_TIMEOUT_S`` (default 5 s) is such a pack too, with a warning
+(:mod:`lifecycle.policy.imports`); what a pack prints while it imports goes to stderr.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
 
 from lifecycle.errors import PolicyError
+from lifecycle.policy import imports
 from lifecycle.policy.versions import LIBRARY_VERSION, SCHEMA_VERSION
 
 log = logging.getLogger(__name__)
@@ -66,6 +69,8 @@ class Pack:
 
 def _conf_dir(module: str) -> Path | None:
     """The package folder, found without running the package (for packs that fail to import)."""
+    if "." in module and imports.hung(module) is not None:
+        return None  # finding a sub-package imports its parent, whose import hangs
     try:
         spec = importlib.util.find_spec(module)
     except (ImportError, ValueError):
@@ -78,9 +83,12 @@ def _declared_version(module: str) -> tuple[int | None, str | None]:
     """(schema version, error) read from the pack package's ``LIFECYCLE_SCHEMA_VERSION``."""
     torch_before = "torch" in sys.modules
     try:
-        mod = importlib.import_module(module)
+        mod = imports.bounded(module, lambda: importlib.import_module(module))
     except KeyboardInterrupt:
         raise
+    except TimeoutError as exc:
+        return None, (f"importing package '{module}' {exc}; the pack is skipped (raise {imports.ENV_TIMEOUT} if "
+                      f"it is only slow)")
     except BaseException as exc:  # noqa: BLE001 - any failure (SystemExit too) makes the pack unusable, not lifecycle
         return None, f"cannot import package '{module}': {type(exc).__name__}: {exc}"
     if not torch_before and "torch" in sys.modules:
@@ -108,9 +116,15 @@ def _load(ep: EntryPoint) -> Pack:
                  f"lifecycle ({LIBRARY_VERSION}) reads schema version {SCHEMA_VERSION}; install a release of "
                  f"{dist_name} that targets schema {SCHEMA_VERSION}, or a lifecycle that reads schema {schema}")
     pack = Pack(ep.name, module, dist_name, version, conf_dir, schema, summary, error)
-    if error is not None:
+    if error is not None and module not in _warned and imports.hung(module) is not None:
+        _warned.add(module)  # once per process: every compose lists the packs again
+        log.warning("%s: %s", pack.label, error)
+    elif error is not None:
         log.debug("policy pack %s is unusable: %s", ep.name, error)
     return pack
+
+
+_warned: set[str] = set()
 
 
 def installed_packs() -> list[Pack]:

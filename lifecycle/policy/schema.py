@@ -20,7 +20,8 @@ from pydantic import (
 
 from lifecycle.errors import PolicyError, PolicyIssue
 from lifecycle.handlers import registry
-from lifecycle.policy.base import Flag, Phase, Seconds, Section, deadline_key
+from lifecycle.policy.base import Flag, Phase, PositiveSteps, Seconds, Section, Steps, deadline_key
+from lifecycle.policy.modelsize import model_size_issues
 from lifecycle.policy.sections import (
     BarriersConfig,
     DistributedConfig,
@@ -49,7 +50,7 @@ def _signals(*names: Signal) -> list[Signal]:
 class TrainConfig(Section):
     kind: str = "megatron_gpt"
     """Step handler kind, by name from the handler registry (built-ins: megatron_gpt, synthetic)."""
-    steps: NonNegativeInt = 20
+    steps: Steps = 20
     """Train steps; 0 runs init -> warmup -> teardown and builds no model."""
     options: Any = None
     """Options of the chosen kind (see its options model); validated against the kind at load."""
@@ -61,6 +62,9 @@ class TrainConfig(Section):
         if kind is None:  # kind itself failed validation; it is reported there
             return v
         spec = registry.get("train", kind, path="train.kind")
+        broken = registry.factory_issue(spec)
+        if broken is not None:
+            raise PolicyError.single("train.kind", broken, kind)
         if isinstance(v, spec.options):
             return v
         try:
@@ -89,7 +93,7 @@ class MoEConfig(Section):
 class CheckpointConfig(Section):
     dir: str = Field("checkpoints", min_length=1)
     """Checkpoint root (default <run.dir>/checkpoints); committed saves are iter_NNNNNNN/ with a `latest` tracker."""
-    every_steps: NonNegativeInt = 0
+    every_steps: Steps = 0
     """Save every n train steps; 0 disables periodic saves."""
     at_end: Flag = True
     """Save after the last train step."""
@@ -237,7 +241,7 @@ class WatchdogConfig(Section):
 class FaultDrill(Section):
     at: Phase
     """Phase the drill fires in."""
-    step: NonNegativeInt | None = None
+    step: Steps | None = None
     """Train step it fires at (train and checkpoint phases only)."""
     ranks: list[NonNegativeInt] = Field(min_length=1)
     """Global ranks the drill fires on."""
@@ -255,7 +259,7 @@ class FaultDrill(Section):
     """slow only: extra seconds per step (train), or once (checkpoint)."""
     mib: PositiveFloat | None = None
     """hold_memory only: MiB held."""
-    steps: list[PositiveInt] | None = None
+    steps: list[PositiveSteps] | None = None
     """zero_tokens only: the train steps it acts at, instead of every step from `step` on."""
     op: str | None = None
     """Only before this op (e.g. all_reduce, barrier, save)."""
@@ -438,6 +442,7 @@ def cross_field_issues(p: Policy) -> list[PolicyIssue]:
                 "parallelism.ep", f"must divide train.options.num_experts ({experts}); pick ep in "
                 f"{divisors(experts)}", ep))
     issues.extend(_model_shape_issues(p))
+    issues.extend(model_size_issues(p.train.options, p.parallelism, p.train.steps))
     if p.moe.zero_token.action != "off" and experts == 0:
         issues.append(PolicyIssue("moe.zero_token.action", "the model has no experts (train.options."
                                   "num_experts=0); set it to off", p.moe.zero_token.action))

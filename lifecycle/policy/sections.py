@@ -32,9 +32,30 @@ def check_group_name(name: str) -> str:
     return name
 
 
+MAX_NAME_BYTES = 200
+"""run.name in UTF-8, leaving room for ``-<run.id>`` within a file name's 255 bytes."""
+
+
+def folder_name_problem(name: str) -> str | None:
+    """Why ``name`` cannot be (part of) one folder name, or None."""
+    if "/" in name:
+        return "contains '/'"
+    if name in (".", ".."):
+        return f"is {name!r}"
+    if "\x00" in name:
+        return "contains a NUL character"
+    if not name.isprintable():
+        return "contains a control character"
+    if name != name.strip():
+        return "starts or ends with a space"
+    size = len(name.encode("utf-8", "surrogatepass"))
+    return f"is {size} bytes long in UTF-8 (at most {MAX_NAME_BYTES})" if size > MAX_NAME_BYTES else None
+
+
 class RunConfig(Section):
-    name: str = Field("lifecycle", min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
-    """Run name: used in the run directory and in every log line."""
+    name: str = Field("lifecycle", min_length=1)
+    """Run name: used in the run directory and in every log line. Letters of any script, digits, `_-.` and spaces;
+    not `/`, a control character, `.` or `..`."""
     id: str = Field("local", min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
     """Run id, identical on every rank (the launcher, SLURM or torchrun provide it; never a per-rank clock)."""
     dir: str = Field("runs/lifecycle-local", min_length=1)
@@ -44,6 +65,15 @@ class RunConfig(Section):
     adopt_existing: Flag = False
     """Let a run use a non-empty ``run.dir`` that lifecycle did not make (by default refused: its ``events/`` or
     ``summary.json`` would be moved or overwritten)."""
+
+    @field_validator("name")
+    @classmethod
+    def _folder_name(cls, v: str) -> str:
+        why = folder_name_problem(v)
+        if why is not None:
+            raise ValueError(f"cannot be part of a folder name: it {why} (the run directory is "
+                             f"runs/<run.name>-<run.id>); use letters of any script, digits, '_', '-' or '.'")
+        return v
 
 
 class FlightRecorderConfig(Section):

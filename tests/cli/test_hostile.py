@@ -162,3 +162,65 @@ def test_timeline_skips_broken_events_and_checks_its_output(tmp_path: Path) -> N
     run = probe(tmp_path, "timeline", str(tmp_path / "run"), "--out", "/proc/lifecycle/trace.json")
     assert run.rc == 2 and "--out /proc/lifecycle/trace.json: cannot create its folder" in run.stderr
     assert "Traceback" not in run.stderr
+    os.mkfifo(tmp_path / "fifo.png")
+    written = (tmp_path / "run" / "trace.json").stat().st_mtime_ns
+    for flag, target, what in (("--out", "/dev/full", "is a character device"),
+                               ("--png", str(tmp_path / "fifo.png"), "is a FIFO")):
+        run = probe(tmp_path, "timeline", str(tmp_path / "run"), flag, target)
+        assert run.rc == 2 and run.stderr == f"error: {flag} {target}: {what}, not a regular file; lifecycle " \
+            "writes only regular files and never replaces or writes through anything else: give the name of a " \
+            "regular file\n", run.stderr
+    assert Path("/dev/full").is_char_device() and (tmp_path / "fifo.png").is_fifo()
+    assert (tmp_path / "run" / "trace.json").stat().st_mtime_ns == written  # refused before a trace was written
+
+
+RUN = ["run", "--nproc", "2", "train.kind=synthetic", "~train.options", "moe.zero_token.action=off",
+       "parallelism.ep=1"]
+
+
+def _full_disk(folder: Path) -> None:
+    """A 200 KiB tmpfs at ``folder``, filled up (root only; the test unmounts it)."""
+    folder.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=200k", "tmpfs", str(folder)], check=True, timeout=10)
+    fd = os.open(folder / "fill", os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            os.write(fd, bytes(4096))
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", ["full disk", "logs is a file", "events is a file", "fifo summary", "linked events"])
+def test_a_run_directory_lifecycle_cannot_use_is_one_line_before_any_rank_starts(tmp_path: Path, case: str) -> None:
+    run_dir = tmp_path / "run"
+    if case == "full disk":
+        if os.geteuid() != 0:
+            pytest.skip("mounts a tmpfs: root only")
+        _full_disk(tmp_path / "full")
+        run_dir = tmp_path / "full" / "run"
+        expected = f"run.dir {run_dir} is on a full file system (No space left on device); free space there"
+    else:
+        (run_dir / "events").mkdir(parents=True)
+        (run_dir / ".lifecycle-run").write_text("a lifecycle run directory\n")
+        name = {"logs is a file": "logs", "events is a file": "events", "fifo summary": "summary.json",
+                "linked events": "events/rank_0.jsonl"}[case]
+        if case.endswith("is a file"):
+            (run_dir / name).rmdir() if (run_dir / name).is_dir() else None
+            (run_dir / name).write_text("x")
+            expected = f"{run_dir / name}: is a regular file where lifecycle keeps its {name}/ folder"
+        elif case == "fifo summary":
+            os.mkfifo(run_dir / name)
+            expected = f"{run_dir / name}: is a FIFO, not a regular file"
+        else:
+            (run_dir / name).symlink_to(tmp_path / "passwd")
+            expected = f"{run_dir / name}: is a symbolic link (to {tmp_path / 'passwd'}), not a regular file"
+    try:
+        run = probe(tmp_path, *RUN, f"run.dir={run_dir}", timeout=30)
+    finally:
+        if case == "full disk":
+            subprocess.run(["umount", "-l", str(tmp_path / "full")], check=False, timeout=10)
+    assert run.rc == 2 and run.stderr.startswith(f"error: {expected}") and run.stderr.count("\n") == 1, run.stderr
+    assert "Traceback" not in run.stdout + run.stderr and not (tmp_path / "passwd").exists()

@@ -86,18 +86,25 @@ def test_a_second_launcher_is_refused_and_the_first_is_undisturbed(tmp_path: Pat
     assert not (run / "attempts").exists()
 
 
-@pytest.mark.timeout(120)
-def test_fifos_as_summaries_never_hang_a_rerun(tmp_path: Path) -> None:
-    first = lifecycle_run(tmp_path, 2, *QUICK)
-    assert first.code == 0, first.output
-    os.replace(first.run_dir / "summary.json", tmp_path / "real_summary.json")
-    os.mkfifo(first.run_dir / "summary.json")  # moved to attempts/1/ by the re-run, then read there
-    again = lifecycle_run(tmp_path, 2, *QUICK, "train.steps=6", timeout=60)
-    assert again.code == 0, again.output
-    summary = json.loads((again.run_dir / "summary.json").read_text())
-    assert summary["attempt"] == 2 and summary["resumed_from"] == 4
-    assert summary["earlier_attempts"][0]["outcome"] == "no summary (the launcher did not finish)"
-    proc = run_cli("timeline", str(again.run_dir), "--out", str(again.run_dir / "events" / "rank_0.jsonl"))
+@pytest.mark.timeout(60)
+def test_fifos_left_where_a_rerun_writes_are_refused_by_name_never_replaced(tmp_path: Path) -> None:
+    """A FIFO where a run writes (its summary, a rank's log: a shell redirection would wait on it forever) is refused
+    with exit 2 naming it before anything is moved or written; an earlier attempt's summary left as a FIFO in
+    attempts/ is read as "no summary" (tests/unit/test_safeio.py)."""
+    run = tmp_path / "run"
+    (run / "events").mkdir(parents=True)
+    (run / ".lifecycle-run").write_text("a lifecycle run directory\n")
+    (run / "attempt").write_text("1\n")
+    (run / "events" / "rank_0.jsonl").write_text(json.dumps(
+        {"t": 10, "rank": 0, "host": "h", "phase": "init", "kind": "instant", "name": "attempt", "attempt": 1}) + "\n")
+    for name in ("summary.json", "logs/rank_1.log"):
+        (run / name).parent.mkdir(exist_ok=True)
+        os.mkfifo(run / name)
+        _refused(run_cli("run", "--nproc", "2", *QUICK, f"run.dir={run}", timeout=30),
+                 f"{run / name}: is a FIFO, not a regular file; lifecycle writes only regular files", "remove it")
+        assert (run / name).is_fifo() and (run / "attempt").read_text() == "1\n" and not (run / "attempts").exists()
+        (run / name).unlink()
+    proc = run_cli("timeline", str(run), "--out", str(run / "events" / "rank_0.jsonl"))
     _refused(proc, "would overwrite the run's own events")
 
 
@@ -137,31 +144,80 @@ def test_a_broken_launcher_environment_is_named_at_once(tmp_path: Path, name: st
     assert time.monotonic() - t0 < 10
 
 
+@pytest.mark.timeout(60)
+def test_a_reader_that_leaves_neither_stops_the_job_nor_changes_its_exit_code(tmp_path: Path) -> None:
+    """`lifecycle run ... | head -c 300`: the launcher's stdout breaks while torch's log tailer copies rank 0's log
+    to it; the job still runs to its end (summary, trace) and exits with its own code, and nothing is said about the
+    pipe."""
+    run = tmp_path / "run"
+    err = tmp_path / "stderr.txt"
+    with open(err, "w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "lifecycle", "run", "--nproc", "2", f"run.dir={run}", *QUICK,
+                                 "train.steps=6", "+faults=[{at: train, step: 5, ranks: [1], action: raise}]"],
+                                stdout=subprocess.PIPE, stderr=stderr, cwd=ROOT, start_new_session=True,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+        try:
+            assert proc.stdout is not None and len(proc.stdout.read(300)) == 300
+            proc.stdout.close()  # the reader leaves, as `head -c 300` does
+            assert proc.wait(60) == 4
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    said = err.read_text()
+    assert "Traceback" not in said and "pipe" not in said.lower() and "log tailer" not in said, said[-3000:]
+    assert json.loads((run / "summary.json").read_text())["exit_code"] == 4 and (run / "trace.json").is_file()
+
+
+def _fill(folder: Path) -> None:
+    fd = os.open(folder / "filler", os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            os.write(fd, bytes(4096))
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 @pytest.mark.timeout(120)
-def test_a_full_disk_at_checkpoint_is_one_line_exit_4_and_the_summary_is_written(tmp_path: Path) -> None:
+@pytest.mark.parametrize("breakage", ["read-only", "full"])
+def test_a_checkpoint_folder_broken_mid_run_is_one_line_exit_4_and_the_last_commit_stays(
+        tmp_path: Path, breakage: str) -> None:
+    """The checkpoint folder is remounted read-only (or fills up) after the first commit: the next save fails on
+    every rank with one line naming the folder and why (no traceback, in the launcher's output or a rank's log), the
+    job exits 4 and the committed step 2 stays intact and tracked. Before any rank starts, a full folder is exit 2
+    (tests/cli/test_hostile.py)."""
+    from lifecycle.checkpoint import ckptdir
+
     if os.geteuid() != 0:
         pytest.skip("mounting a small tmpfs needs root")
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], capture_output=True)
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(ck)], capture_output=True)
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode()[:200]}")
+    proc: subprocess.Popen[str] | None = None
     try:
-        try:  # leave the checkpoint folder no room at all
-            with open(disk / "filler", "wb") as f:
-                while True:
-                    f.write(b"\0" * 4096)
-                    f.flush()
-        except OSError:
-            pass
-        run = lifecycle_run(tmp_path, 2, *QUICK, f"checkpoint.dir={disk / 'ck'}", timeout=90)
-        assert run.code == 4, run.output
-        assert "No space left on device" in run.output
-        assert "Traceback" not in run.proc.stderr, run.proc.stderr[-3000:]
-        summary = json.loads((run.run_dir / "summary.json").read_text())
+        proc = _launch(tmp_path / "run", 30, f"checkpoint.dir={ck}", "train.options.step_sleep_s=0.25")
+        deadline = time.monotonic() + 60
+        while not (ck / ckptdir.TRACKER).is_file() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if breakage == "full":
+            _fill(ck)
+        else:
+            subprocess.run(["mount", "-o", "remount,ro", str(ck)], check=True, timeout=10)
+        out, _ = proc.communicate(timeout=60)
+        what = "a read-only file system: cannot write" if breakage == "read-only" else "a full file system:"
+        assert proc.returncode == 4 and f"checkpoint.dir {ck} is on {what}" in out, out[-3000:]
+        logs = "".join(p.read_text() for p in (tmp_path / "run" / "logs").glob("rank_*.log"))
+        assert "Traceback" not in out + logs and f"StorageError: checkpoint.dir {ck}" in logs, out[-3000:]
+        assert ckptdir.read_tracker(ck).name == "iter_0000002" and ckptdir.problem(ck / "iter_0000002") is None
+        summary = json.loads((tmp_path / "run" / "summary.json").read_text())
         assert summary["exit_code"] == 4 and summary["failures"]
     finally:
-        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        subprocess.run(["umount", "-l", str(ck)], capture_output=True, timeout=10)
 
 
 def _launch(run_dir: Path, steps: int, *extra: str) -> subprocess.Popen[str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -215,3 +216,72 @@ def test_files_a_starting_peer_writes_do_not_make_the_folder_foreign(tmp_path: P
     (tmp_path / "events" / "notes.txt").write_text("mine")
     with pytest.raises(PolicyError, match=r"did not make \(events\)"):
         check_owner(str(tmp_path), False, peers_starting=True)
+
+
+def _left_behind(run: Path, what: str) -> tuple[Path, str]:
+    """What an earlier run (or anyone) left where a run keeps its files; (the path, how it is named)."""
+    import socket
+
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "events").mkdir(exist_ok=True)
+    outside = run.parent / "passwd"
+    outside.write_text("root:x:0:0\n")
+    path = {"logs file": run / "logs", "events file": run / "events", "attempts file": run / "attempts",
+            "fifo summary": run / "summary.json", "fifo log": run / "logs" / "rank_1.log",
+            "socket lock": run / ".lock", "linked events": run / "events" / "rank_0.jsonl",
+            "linked ledger": run / "restarts.jsonl"}[what]
+    path.parent.mkdir(exist_ok=True)
+    if what.endswith(" file"):
+        if path.is_dir():
+            path.rmdir()
+        path.write_text("x")
+        return path, f"is a regular file where lifecycle keeps its {path.name}/ folder; remove or rename it"
+    if what.startswith("fifo"):
+        os.mkfifo(path)
+        return path, "is a FIFO, not a regular file; lifecycle writes only regular files"
+    if what.startswith("socket"):
+        with socket.socket(socket.AF_UNIX) as s:
+            s.bind(str(path))
+        return path, "is a socket, not a regular file"
+    path.symlink_to(outside)
+    return path, f"is a symbolic link (to {outside}), not a regular file; lifecycle writes only regular files"
+
+
+@pytest.mark.parametrize("what", ["logs file", "events file", "attempts file", "fifo summary", "fifo log",
+                                  "socket lock", "linked events", "linked ledger"])
+def test_what_is_left_where_a_run_keeps_its_files_is_refused_before_anything_is_written(
+        tmp_path: Path, what: str) -> None:
+    from lifecycle.errors import RunDirError, exit_code
+
+    run = tmp_path / "run"
+    path, named = _left_behind(run, what)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    with pytest.raises(RunDirError, match=re.escape(f"{path}: {named}")) as info:
+        check_dirs(str(run), str(run / "checkpoints"))
+    assert exit_code(info.value) == 2 and "\n" not in str(info.value)
+    after = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.name != "checkpoints")
+    assert after == before  # nothing written or moved (the checkpoint folder is made, empty, as before)
+    assert (tmp_path / "passwd").read_text() == "root:x:0:0\n"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a 200 KiB tmpfs: root only")
+def test_a_full_disk_is_one_line_naming_the_folder(tmp_path: Path) -> None:
+    import subprocess
+
+    from lifecycle.errors import RunDirError
+
+    full = tmp_path / "full"
+    full.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=200k", "tmpfs", str(full)], check=True, timeout=10)
+    try:
+        fd = os.open(full / "fill", os.O_WRONLY | os.O_CREAT)
+        with pytest.raises(OSError, match="No space left"):
+            while True:
+                os.write(fd, b"\0" * 4096)
+        os.close(fd)
+        with pytest.raises(RunDirError, match=re.escape(f"run.dir {full / 'r'} is on a full file system (No space "
+                                                        f"left on device); free space there or point run.dir at")):
+            check_dirs(str(full / "r"), str(full / "r" / "checkpoints"))
+        assert list((full / "r").iterdir()) == []  # the probe is gone, nothing else was made
+    finally:
+        subprocess.run(["umount", "-l", str(full)], check=False, timeout=10)

@@ -1,8 +1,10 @@
-"""Nothing in a run or checkpoint directory can block or mislead: FIFOs, devices, directories, huge or deeply
-nested files where lifecycle keeps its own files are refused by name (never opened blocking) or replaced."""
+"""Nothing in a run or checkpoint directory can block or mislead: FIFOs, devices, sockets, directories, huge or
+deeply nested files where lifecycle keeps its own files are refused by name, never opened blocking nor replaced; a
+symbolic link is never written through; a write the file system refuses is one line naming the folder."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import time
@@ -34,8 +36,6 @@ def test_a_fifo_is_refused_by_name_at_once(tmp_path: Path) -> None:
     assert time.monotonic() - t0 < 1.0
     assert safeio.try_json(fifo) is None
     with pytest.raises(safeio.RunDirError, match="is a FIFO"):
-        safeio.open_append(fifo)
-    with pytest.raises(safeio.RunDirError, match="is a FIFO"):
         safeio.open_regular(fifo)
 
 
@@ -55,13 +55,89 @@ def test_devices_directories_big_and_deep_files_are_refused(tmp_path: Path) -> N
     assert safeio.read_bytes(tmp_path / "missing") is None
 
 
-def test_writes_replace_a_fifo_instead_of_opening_it(tmp_path: Path) -> None:
-    fifo = _fifo(tmp_path / "summary.json")
-    safeio.write_text(fifo, '{"ok": 1}')
-    assert json.loads(fifo.read_text()) == {"ok": 1} and fifo.is_file()
+@pytest.mark.parametrize("kind", ["fifo", "socket", "device"])
+def test_writes_refuse_what_is_not_a_regular_file_and_write_nothing(tmp_path: Path, kind: str) -> None:
+    import socket
+
+    path = tmp_path / "summary.json"
+    if kind == "fifo":
+        _fifo(path)
+    elif kind == "socket":
+        with socket.socket(socket.AF_UNIX) as s:
+            s.bind(str(path))
+    else:
+        path = Path("/dev/full")  # never opened nor replaced, whoever runs the test
+    name = {"fifo": "a FIFO", "socket": "a socket", "device": "a character device"}[kind]
+    t0 = time.monotonic()
+    for write in (lambda: safeio.write_text(path, "{}"), lambda: safeio.open_append(path),
+                  lambda: safeio.open_rw(path)):
+        with pytest.raises(safeio.RunDirError, match=f"{path}: is {name}, not a regular file; lifecycle writes only "
+                           "regular files and never replaces or writes through anything else: remove it"):
+            write()
+    assert time.monotonic() - t0 < 1.0 and not path.is_file() and not path.is_symlink()
+    assert [p.name for p in tmp_path.iterdir()] == ([] if kind == "device" else ["summary.json"])  # no temporary
     (tmp_path / "adir").mkdir()
     with pytest.raises(safeio.RunDirError, match="is a directory where lifecycle keeps a file"):
         safeio.write_text(tmp_path / "adir", "x")
+
+
+def test_links_are_replaced_by_a_file_never_written_through(tmp_path: Path) -> None:
+    outside = tmp_path / "passwd"
+    outside.write_text("root:x:0:0\n")
+    run = tmp_path / "run"
+    (run / "events").mkdir(parents=True)
+    link = run / "events" / "rank_0.jsonl"
+    link.symlink_to(outside)
+    with pytest.raises(safeio.RunDirError, match=f"rank_0.jsonl: is a symbolic link \\(to {outside}\\), not a "
+                       "regular file"):
+        safeio.open_append(link)
+    with pytest.raises(safeio.RunDirError, match="is a symbolic link"):
+        EventLog(run, 0)
+    assert outside.read_text() == "root:x:0:0\n"
+    safeio.write_text(link, "mine\n")  # a replacing write replaces the link itself
+    assert not link.is_symlink() and link.read_text() == "mine\n" and outside.read_text() == "root:x:0:0\n"
+    planted = run / f".summary.json.{os.getpid()}.tmp"  # the temporary's name, taken by a link
+    planted.symlink_to(outside)
+    safeio.write_text(run / "summary.json", "{}")
+    assert (run / "summary.json").read_text() == "{}" and outside.read_text() == "root:x:0:0\n"
+    assert not planted.exists() and not planted.is_symlink()
+
+
+def test_a_write_the_file_system_refuses_is_one_line_naming_the_folder(tmp_path: Path) -> None:
+    from lifecycle.errors import HangError, PhaseError, RunDirError, StorageError, exit_code
+
+    ck = tmp_path / "ck"
+    folders = {"checkpoint.dir": ck, "run.dir": tmp_path}
+    ro = OSError(errno.EROFS, "Read-only file system", str(ck / "iter_0000008.tmp"))
+    error = safeio.storage_error(ro, folders)
+    assert isinstance(error, StorageError) and exit_code(error) == 4 and error.__cause__ is ro
+    assert str(error) == (f"checkpoint.dir {ck} is on a read-only file system: cannot write {ck}/iter_0000008.tmp "
+                          f"(Read-only file system); remount it read-write or point checkpoint.dir at another "
+                          f"folder, then run again (committed checkpoints are untouched)")
+    full = safeio.storage_error(OSError(errno.ENOSPC, "No space left on device"), folders, "checkpoint.dir")
+    assert str(full).startswith(f"checkpoint.dir {ck} is on a full file system: a write failed (No space left")
+    events = OSError(errno.EDQUOT, "Disk quota exceeded", str(tmp_path / "events" / "rank_0.jsonl"))
+    assert str(safeio.storage_error(events, folders)).startswith(f"run.dir {tmp_path} is over its disk quota:")
+    early = safeio.storage_error(OSError(errno.ENOSPC, "No space left on device", "/x/.lock"), {}, before_start=True)
+    assert isinstance(early, RunDirError) and exit_code(early) == 2
+    assert str(early) == "/x/.lock is on a full file system (No space left on device); free space there or use " \
+                         "another folder"
+    for other in (OSError(errno.ENOENT, "No such file"), RuntimeError("x"), BrokenPipeError(errno.EPIPE, "pipe")):
+        assert safeio.storage_error(other, folders, "checkpoint.dir") is None
+    # torch.save on a full disk: a RuntimeError raised while handling the OSError, wrapped by the save handle
+    try:
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] unexpected pos")  # noqa: B904 - as torch
+    except RuntimeError as torch_error:
+        wrapped = PhaseError("rank 0: checkpoint write failed")
+        wrapped.__cause__ = torch_error
+        hang = HangError("rank 0: checkpoint write not done")
+        hang.__cause__ = torch_error
+    assert str(safeio.storage_error(wrapped, folders, "checkpoint.dir")).startswith(
+        f"checkpoint.dir {ck} is on a full file system: a write failed (No space left on device)")
+    assert safeio.storage_error(hang, folders, "checkpoint.dir") is None  # a hang stays a hang (exit 3)
 
 
 def test_the_run_directory_files_never_block(tmp_path: Path) -> None:

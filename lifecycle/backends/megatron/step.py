@@ -37,6 +37,18 @@ class TorchDistCheckpoints:
             raise FileNotFoundError(f"{ckpt_dir}/metadata.json is missing (not a complete checkpoint)")
         return int(checkpoint.load(self.state, str(ckpt_dir)))
 
+    def reshard(self, saved: dict[str, Any], now: dict[str, Any]) -> str | None:
+        """What this model's torch_dist checkpoints load at (:func:`lifecycle.checkpoint.binding.torch_dist`)."""
+        from lifecycle.checkpoint.binding import torch_dist
+
+        return torch_dist(saved, now, distributed_optimizer=_distributed(self.state.optimizer))
+
+
+def _distributed(optimizer: Any) -> bool:
+    """Whether ``optimizer`` (or one it chains) is megatron's distributed optimizer."""
+    parts = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    return any("Distributed" in type(p).__name__ for p in parts)
+
 
 class MegatronGPTStep(TorchDistCheckpoints):
     """The built-in step handler over :mod:`lifecycle.backends.megatron.model`."""
@@ -98,6 +110,12 @@ class MegatronGPTStep(TorchDistCheckpoints):
         if self.state.grad_norm is None:
             return {"loss": loss}
         return {"loss": loss, "grad_norm": self.state.grad_norm}
+
+    def rebuild(self, ctx: StepContext) -> None:
+        """The model and optimizer as :meth:`setup` builds them (from ``run.seed``): a resume that loaded and then
+        rejected a checkpoint starts fresh from them. Collective on the default group, as :meth:`setup`."""
+        self.close()
+        self.setup(ctx)
 
     def close(self) -> None:
         if self.guard is not None:

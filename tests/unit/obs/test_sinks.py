@@ -88,6 +88,9 @@ def test_tensorboard_sink_writes_event_files(tmp_path: Path) -> None:
 def test_tensorboard_sink_without_tensorboard_says_what_to_install(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="pip install tensorboard"):
         sinks.create("tensorboard", tmp_path, 0)
+    with pytest.raises(UsageError, match="the event sink 'tensorboard', which needs the package tensorboard: not "
+                                         "installed; pip install tensorboard"):
+        sinks.check(["tensorboard"])
 
 
 def test_event_log_attaches_the_sinks_named_in_the_environment(tmp_path: Path,
@@ -100,3 +103,22 @@ def test_event_log_attaches_the_sinks_named_in_the_environment(tmp_path: Path,
     monkeypatch.setenv(sinks.ENV, "nope")
     with pytest.raises(UsageError, match="unknown event sink 'nope'"):
         EventLog(tmp_path, 1)
+
+
+def test_sinks_and_their_packages_are_checked_before_any_rank_starts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.unit.inproc import cli
+
+    sinks.register("test-needs", Collect, replace=True, requires=("no_such_package_xyz",))
+    sinks.check(["test-collect"])
+    with pytest.raises(UsageError, match=r"^LIFECYCLE_SINKS names the event sink 'test-needs', which needs the package "
+                                         r"no_such_package_xyz: not installed; pip install no_such_package_xyz \(or "
+                                         r"remove 'test-needs' from LIFECYCLE_SINKS\)$"):
+        sinks.check(["test-collect", "test-needs"])
+    with pytest.raises(UsageError, match="LIFECYCLE_SINKS names an unknown event sink 'nope'. Available names: "):
+        sinks.check(["nope"])
+    monkeypatch.setenv(sinks.ENV, "test-needs")
+    code, _, err = cli(capsys, "run", "--nproc", "2", f"run.dir={tmp_path / 'run'}", "train.kind=synthetic",
+                       "~train.options", "moe.zero_token.action=off", "parallelism.ep=1")
+    assert code == 2 and "error: LIFECYCLE_SINKS names the event sink 'test-needs'" in err
+    assert not (tmp_path / "run").exists()

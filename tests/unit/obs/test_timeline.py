@@ -223,6 +223,42 @@ def test_output_paths_are_checked_before_anything_is_written(tmp_path: Path, out
     assert not (tmp_path / "trace.json").exists()
 
 
+@pytest.mark.parametrize(("flag", "kind"), [("--out", "device"), ("--out", "fifo"), ("--out", "socket"),
+                                           ("--png", "fifo"), ("--out", "dev")])
+def test_devices_fifos_sockets_and_system_folders_are_refused_never_replaced(
+        tmp_path: Path, flag: str, kind: str) -> None:
+    import os
+    import socket
+    import stat
+
+    _real_run(tmp_path)
+    target = {"device": Path("/dev/full"), "dev": Path("/dev/lifecycle-trace.json")}.get(kind, tmp_path / "out" / kind)
+    target.parent.mkdir(exist_ok=True)
+    if kind == "fifo":
+        os.mkfifo(target)
+    elif kind == "socket":
+        with socket.socket(socket.AF_UNIX) as s:
+            s.bind(str(target))
+    what = {"device": "is a character device", "fifo": "is a FIFO", "socket": "is a socket",
+            "dev": "lies under /dev, a system folder"}[kind]
+    with pytest.raises(UsageError, match=re.escape(f"{flag} {target}: {what}")):
+        timeline.main(tmp_path, out=target) if flag == "--out" else timeline.main(tmp_path, png=target)
+    assert not (tmp_path / "trace.json").exists() and not (tmp_path / "timeline.png").exists()  # nothing written
+    if kind != "dev":
+        assert not stat.S_ISREG(os.lstat(target).st_mode)
+    assert not Path("/dev/lifecycle-trace.json").exists() and stat.S_ISCHR(os.stat("/dev/full").st_mode)
+
+
+def test_a_link_in_the_run_directory_is_replaced_never_written_through(tmp_path: Path) -> None:
+    _real_run(tmp_path)
+    outside = tmp_path.parent / f"{tmp_path.name}-outside.json"
+    outside.write_text("mine")
+    (tmp_path / "trace.json").symlink_to(outside)
+    assert timeline.main(tmp_path, no_png=True) == 0
+    assert outside.read_text() == "mine" and not (tmp_path / "trace.json").is_symlink()
+    assert json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+
+
 def test_an_unwritable_png_is_a_usage_error(tmp_path: Path) -> None:
     _real_run(tmp_path)
     with pytest.raises(UsageError, match="--png .*/proc/version"):

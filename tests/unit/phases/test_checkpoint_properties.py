@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -158,7 +159,20 @@ class CheckpointMachine(RuleBasedStateMachine):
             raise AssertionError("resume with on_corrupt=fallback raised") from None
         self.resumed_from = self.ctx.resumed_from
         if self.resumed_from is not None:  # what a resume loads is what was committed, byte for byte
-            assert ckptdir.changed(self.root / ckptdir.iter_name(self.resumed_from), 0, 1) is None
+            folder = self.root / ckptdir.iter_name(self.resumed_from)
+            assert ckptdir.changed(folder, 0, 1) is None
+            saved = torch.load(folder / "rank_0.pt", weights_only=True)
+            assert saved["step"] == self.ctx.step == self.resumed_from  # the step the folder is named for
+            assert ckptdir.read_tracker(self.root).name == folder.name  # ... and the folder the tracker names
+            self._same_weights(saved["model"])
+        else:  # nothing loaded: the weights the run starts with, whatever a rejected load did to them
+            assert self.ctx.step == 0
+            self._same_weights(self._handler(self.ctx).model.state_dict())
+
+    def _same_weights(self, expected: dict[str, Any]) -> None:
+        model = self.ctx.step_handler.model.state_dict()  # type: ignore[union-attr]
+        assert model.keys() == expected.keys()
+        assert all(torch.equal(model[k], expected[k]) for k in model)
 
     @rule()
     def prune(self) -> None:
@@ -191,6 +205,21 @@ class CheckpointMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def delete_metadata(self, data: st.DataObject) -> None:
         (data.draw(st.sampled_from(self._complete())) / "metadata.json").unlink()
+        self.damaged = True
+
+    @precondition(lambda self: len(self._complete()) >= 2)
+    @rule(data=st.data(), manifest=st.booleans(), into_tracked=st.booleans())
+    def copy_another_steps_files(self, data: st.DataObject, manifest: bool, into_tracked: bool) -> None:
+        """A folder that holds another save's files (with or without that save's manifest): named for one step,
+        holding another; often the one the tracker names."""
+        complete = self._complete()
+        tracked = ckptdir.read_tracker(self.root).name
+        target = next((p for p in complete if p.name == tracked), None) if into_tracked else None
+        target = target or data.draw(st.sampled_from(complete))
+        source = data.draw(st.sampled_from([p for p in complete if p != target]))
+        for f in source.iterdir():
+            if manifest or f.name != ckptdir.MANIFEST:
+                shutil.copyfile(f, target / f.name)
         self.damaged = True
 
     @precondition(lambda self: self.root.is_dir())

@@ -13,8 +13,8 @@ from lifecycle.errors import PolicyError, PolicyIssue
 from lifecycle.policy import yamlguard
 from lifecycle.policy.errors import Clipped, clip_error, clip_value
 from lifecycle.policy.interpolation import MAX_RESOLUTIONS, check_interpolations
-from lifecycle.policy.load import compose, load
-from lifecycle.policy.overrides import nesting
+from lifecycle.policy.load import compose, load, validate
+from lifecycle.policy.overrides import nesting, quote_unicode
 
 BAD = Path(__file__).resolve().parents[2] / "cli" / "bad_policies"
 
@@ -117,6 +117,29 @@ def test_overrides_are_checked_one_by_one(overrides: list[str], match: str) -> N
     with pytest.raises(PolicyError) as exc:
         compose(overrides)
     assert match in _issue(exc)
+
+
+@pytest.mark.parametrize("name", ["训练", "café", "Ωmega-2", "a b"])
+def test_run_name_takes_any_script(name: str) -> None:
+    policy = load([f"run.name={name}"]).policy
+    assert policy.run.name == name and policy.run.dir == f"runs/{name}-local"
+
+
+@pytest.mark.parametrize(("name", "why"), [
+    ("a/b", "contains '/'"), ("..", "is '..'"), (".", "is '.'"), ("a\x00b", "contains a NUL character"),
+    ("a\nb", "contains a control character"), ("é" * 101, "is 202 bytes long in UTF-8 (at most 200)"),
+])
+def test_a_run_name_that_cannot_be_a_folder_name_is_named(name: str, why: str) -> None:
+    with pytest.raises(PolicyError) as exc:
+        validate({"run": {"name": name}})
+    assert _issue(exc).startswith(f"run.name: cannot be part of a folder name: it {why} (the run directory is "
+                                  "runs/<run.name>-<run.id>)")
+
+
+def test_only_plain_non_ascii_values_are_quoted_for_hydra() -> None:
+    assert quote_unicode("run.name=训练") == "run.name='训练'" and quote_unicode("+x=café ") == "+x='café'"
+    for text in ("run.name=plain", "x=[é]", "x='é'", "x=${oc.env:É}", "~x", "x=a\\é"):
+        assert quote_unicode(text) == text
 
 
 def test_bracket_nesting_ignores_quotes() -> None:

@@ -6,7 +6,10 @@ with an entry point, written to a tmp folder that is put on sys.path for the tes
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import sys
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -20,6 +23,7 @@ from lifecycle.policy.diff import ABSENT, Change, diff, diff_values, parse_side
 from lifecycle.policy.packs import installed_packs
 from lifecycle.policy.provenance import COMMAND_LINE, DEFAULT, provenance
 from lifecycle.policy.roots import config_roots, search_roots
+from tests.unit.inproc import cli
 
 MakePack = Callable[..., str]
 
@@ -138,3 +142,107 @@ def test_catalog_and_descriptions(tmp_path: Path) -> None:
     configs = [(e.name, e.description) for e in entries if not e.group]
     assert configs == [("house", "my house")]  # the built-in config.yaml is not the first folder here
     assert describe(tmp_path / "missing.yaml").startswith("(unreadable")
+
+
+@pytest.fixture
+def handler_pack(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., str]]:
+    """Install a distribution whose ``lifecycle.handlers`` entry point is ``<module>:SPECS``; the registry loads the
+    entry points again for this test only. Returns the module (= entry point) name."""
+    from lifecycle.handlers import registry
+
+    site = tmp_path / "handler_site"
+    site.mkdir()
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setattr(registry, "_registry", dict(registry._registry))
+    monkeypatch.setattr(registry, "_entry_points_loaded", False)
+    modules: list[str] = []
+
+    def make(init: str, files: dict[str, str] | None = None) -> str:
+        module = f"hk_{uuid.uuid4().hex[:8]}"
+        modules.append(module)
+        (site / module).mkdir()
+        (site / module / "__init__.py").write_text(init)
+        for name, text in (files or {}).items():
+            (site / module / name).write_text(text)
+        info = site / f"{module}-0.1.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module}-dist\nVersion: 0.1\n")
+        (info / "entry_points.txt").write_text(f"[lifecycle.handlers]\n{module} = {module}:SPECS\n")
+        return module
+
+    yield make
+    for module in modules:
+        for loaded in [m for m in sys.modules if m == module or m.startswith(f"{module}.")]:
+            sys.modules.pop(loaded, None)
+
+
+HANG = "import time\ntime.sleep(30)\n"
+SYNTHETIC = ["~train.options", "moe.zero_token.action=off", "parallelism.ep=1"]
+
+
+@pytest.mark.timeout(20)
+def test_a_pack_whose_import_hangs_is_skipped_with_a_warning(make_pack: MakePack, monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("LIFECYCLE_IMPORT_TIMEOUT_S", "0.3")
+    name = make_pack(HANG)
+    start = time.monotonic()
+    code, out, err = cli(capsys, "validate")
+    assert code == 0 and out.startswith("ok: ") and time.monotonic() - start < 5
+    assert f"pack {name} ({name}-dist 1.2.3): importing package '{name}' did not finish within 0.3s; the pack is " \
+           "skipped (raise LIFECYCLE_IMPORT_TIMEOUT_S if it is only slow)" in err
+    code, out, err = cli(capsys, "policies")  # the same process: its package is not imported again
+    assert code == 2 and f"UNUSABLE: importing package '{name}' did not finish within 0.3s" in out
+    assert time.monotonic() - start < 5
+
+
+def test_what_a_pack_prints_at_import_stays_off_stdout(make_pack: MakePack,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (["explain", "--json"], ["policies", "--json"], ["diff", "--json", "", "run.seed=1"]):
+        make_pack('print("hello from the pack")\nLIFECYCLE_SCHEMA_VERSION = 1\n')  # a new one: each imports once
+        code, out, err = cli(capsys, *argv)
+        assert code in (0, 1) and isinstance(json.loads(out), dict) and "hello from the pack" in err, argv
+
+
+@pytest.mark.timeout(20)
+def test_a_handler_entry_point_whose_import_hangs_is_left_out(handler_pack: Callable[..., str],
+                                                              monkeypatch: pytest.MonkeyPatch,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    from lifecycle.handlers import registry
+
+    monkeypatch.setenv("LIFECYCLE_IMPORT_TIMEOUT_S", "0.3")
+    name = handler_pack(HANG)
+    start = time.monotonic()
+    assert registry.kinds("train") == ["megatron_gpt", "synthetic"] and time.monotonic() - start < 5
+    assert f"handler entry point {name} ({name}-dist) is left out: importing '{name}' did not finish within 0.3s" \
+        in caplog.text
+
+
+STEP = "raise RuntimeError('a factory check must not run this module')\nclass Bare:\n    def step(self): ...\n"
+
+
+@pytest.mark.parametrize(("factory", "why"), [
+    ("hk_nowhere.step:Step", "module 'hk_nowhere.step' is not installed (No module named 'hk_nowhere')"),
+    ("builtins:dict", "builtins.dict is a class without setup(), step(), begin_save(), load(), close(): not a step "
+                      "handler"),
+    ("{module}.step:Nope", "module '{module}.step' ({path}) defines no 'Nope'"),
+    ("{module}.step:Bare", "{module}.step.Bare is a class without setup(), begin_save(), load(), close()"),
+], ids=["no_module", "builtins_dict", "no_attribute", "bare_class"])
+def test_a_kind_whose_factory_cannot_build_a_handler_is_refused_before_any_rank_starts(
+        handler_pack: Callable[..., str], factory: str, why: str) -> None:
+    from lifecycle.launch.runner import run
+
+    module = handler_pack("from lifecycle.handlers import HandlerSpec\n"
+                          "from lifecycle.handlers.options import SyntheticOptions\n"
+                          f"SPECS = [HandlerSpec('bad_kind', 'train', SyntheticOptions, {factory!r}.format("
+                          "module=__name__), groups='torch')]\n", {"step.py": STEP})
+    path = Path(importlib.util.find_spec(module).submodule_search_locations[0]) / "step.py"  # type: ignore[union-attr]
+    with pytest.raises(PolicyError) as exc:
+        L.load(["train.kind=bad_kind", *SYNTHETIC])
+    issue = exc.value.issues[0]
+    assert (issue.path, issue.value) == ("train.kind", "bad_kind")
+    assert issue.message.startswith(f"train handler kind 'bad_kind' (entry point '{module} = {module}:SPECS' of "
+                                    f"package {module}-dist) cannot build a handler: "
+                                    f"{why.format(module=module, path=path)}"), issue.message
+    assert f"{module}.step" not in sys.modules  # read, never run
+    with pytest.raises(PolicyError, match="train handler kind 'bad_kind'"):  # `run` refuses before any rank starts
+        run(["train.kind=bad_kind", *SYNTHETIC], nproc=2)

@@ -203,6 +203,24 @@ def replacing(path: str | Path) -> Iterator[BinaryIO]:
         raise
 
 
+def write_new(path: str | Path, data: bytes) -> bool:
+    """Write ``path`` atomically only when nothing is there yet, of any kind (a hard link of a complete temporary:
+    never half a file, never over or through anything). Whether it was written."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.new")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.link(tmp, path)
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def open_rw(path: str | Path) -> int:
     """A file descriptor to read and write ``path`` (created when missing); anything but a regular file there, a
     symbolic link included (never written through), is a :class:`RunDirError` naming it, never a hang."""

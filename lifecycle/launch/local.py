@@ -20,6 +20,7 @@ also tailed to this process's stdout. ``PYTHONUNBUFFERED=1`` unless given: a kil
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import select
@@ -28,13 +29,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from lifecycle.launch import rundir
+from lifecycle.launch.parent import ENV_LAUNCHER_PID
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +56,7 @@ class LaunchResult:
     wall_s: float
     stopped_by: str | None = None  # the signal the launcher received and forwarded (preemption)
     killed: tuple[int, ...] = field(default=())  # ranks still alive after the grace, SIGKILLed
+    aborted: bool = False  # a second SIGINT/SIGTERM cut the grace short: the ranks were SIGKILLed at once
 
     def describe(self) -> str:
         """One line for humans, e.g. ``rank 2 failed first (exit 4) in phase warmup``."""
@@ -65,23 +68,29 @@ class LaunchResult:
                                                         else f"exit {self.exit_code}")
         else:
             line = f"all {len(self.per_rank)} ranks succeeded"
-        return line + (f"; ranks {list(self.killed)} were killed after the grace period" if self.killed else "")
+        if self.killed:
+            line += f"; ranks {list(self.killed)} were killed " + (
+                "at once (asked again during the grace period)" if self.aborted else "after the grace period")
+        return line
 
 
 def launch_local(argv: list[str], nproc: int, run_dir: Path, *, env: dict[str, str] | None = None,
-                 kill_grace_s: float = 3.0, poll_s: float = 0.1,
+                 kill_grace_s: float = 3.0, preempt_grace_s: float = 3.0, poll_s: float = 0.1,
                  console_ranks: Iterable[int] = (0,)) -> LaunchResult:
     """Run ``argv`` as ranks 0..nproc-1 on this machine and return when every rank has ended.
 
     On the first rank that ends non-zero, writes ``run_dir/.shutdown``, SIGTERMs (and SIGCONTs) the others
     and SIGKILLs what is left after ``kill_grace_s``. SIGINT/SIGTERM sent to the launcher (main thread only)
-    are forwarded without the marker (a preemption request), with the same grace; a second one kills at once.
-    If the launcher itself raises, every rank is SIGKILLed at once. No rank process, nor anything left
-    in a rank's process group, survives the call.
+    are a preemption request: the ranks get SIGTERM without the marker (they agree on a stop step, save and
+    leave) and up to ``preempt_grace_s`` to end; a second one kills them at once. If the launcher itself raises,
+    every rank is SIGKILLed at once. No rank process, nor anything left in a rank's process group, survives the
+    call, nor the launcher: each rank is told to die with it (``LIFECYCLE_LAUNCHER_PID``, see
+    :func:`die_with_launcher`).
     """
-    if nproc < 1 or not argv or poll_s <= 0 or kill_grace_s < 0:
-        raise ValueError(f"launch_local: need argv, nproc >= 1, poll_s > 0, kill_grace_s >= 0 (got "
-                         f"argv={argv!r}, nproc={nproc}, poll_s={poll_s}, kill_grace_s={kill_grace_s})")
+    if nproc < 1 or not argv or poll_s <= 0 or kill_grace_s < 0 or preempt_grace_s < 0:
+        raise ValueError(f"launch_local: need argv, nproc >= 1, poll_s > 0, kill_grace_s >= 0, preempt_grace_s >= 0 "
+                         f"(got argv={argv!r}, nproc={nproc}, poll_s={poll_s}, kill_grace_s={kill_grace_s}, "
+                         f"preempt_grace_s={preempt_grace_s})")
     run_dir = Path(run_dir).resolve()
     logs = _prepare(run_dir, nproc)
     start = time.monotonic()
@@ -90,18 +99,19 @@ def launch_local(argv: list[str], nproc: int, run_dir: Path, *, env: dict[str, s
     console = set(console_ranks)
     from torch.distributed.elastic.multiprocessing import start_processes
 
-    with _SignalTrap() as trap:
-        pc = start_processes(
-            name="lifecycle", entrypoint="/bin/sh", envs=envs,
-            args={r: (*_SH, str(logs[r]), *argv) for r in range(nproc)},
-            logs_specs=_rank_logs(run_dir / rundir.LOGS_DIR, logs, console),
-            log_line_prefixes=dict.fromkeys(console, ""),  # worker log lines carry their own [rank N]
-        )
+    with SignalTrap() as trap:
+        with _torch_leaves_our_signals():
+            pc = start_processes(
+                name="lifecycle", entrypoint="/bin/sh", envs=envs,
+                args={r: (*_SH, str(logs[r]), *argv) for r in range(nproc)},
+                logs_specs=_rank_logs(run_dir / rundir.LOGS_DIR, logs, console),
+                log_line_prefixes=dict.fromkeys(console, ""),  # worker log lines carry their own [rank N]
+            )
         job: _Job | None = None
         try:
-            trap.arm()  # PContext.start replaced our handlers with ones that raise
+            trap.arm()  # PContext.start replaced SIGHUP/SIGQUIT's handlers with ones that raise
             job = _Job({r: h.proc for r, h in pc.subprocess_handlers.items()}, trap, poll_s)
-            return job.run(run_dir, kill_grace_s, start)
+            return job.run(run_dir, kill_grace_s, preempt_grace_s, start)
         finally:
             if job is not None:
                 job.kill_all()
@@ -109,16 +119,33 @@ def launch_local(argv: list[str], nproc: int, run_dir: Path, *, env: dict[str, s
             del store  # the store server lives exactly as long as the ranks
 
 
+@contextlib.contextmanager
+def _torch_leaves_our_signals() -> Iterator[None]:
+    """While ``PContext.start`` spawns the ranks, it replaces the handlers of the signals its environment variable
+    names with ones that raise in the middle of the spawn (ranks started by then would be left untracked): let it
+    take the ones we do not trap, so that a SIGINT/SIGTERM in that moment is recorded by ours like any other."""
+    name = "TORCHELASTIC_SIGNALS_TO_HANDLE"
+    before = os.environ.get(name)
+    os.environ[name] = "SIGHUP,SIGQUIT"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+
+
 class _Job:
     """The monitored rank processes of one launch."""
 
-    def __init__(self, procs: dict[int, subprocess.Popen[Any]], trap: _SignalTrap, poll_s: float) -> None:
+    def __init__(self, procs: dict[int, subprocess.Popen[Any]], trap: SignalTrap, poll_s: float) -> None:
         self.procs, self.trap, self.poll_s = procs, trap, poll_s
         self.codes: dict[int, int] = {}
         self.killed: list[int] = []
         self.watch = _ExitWatch(procs)
 
-    def run(self, run_dir: Path, grace_s: float, start: float) -> LaunchResult:
+    def run(self, run_dir: Path, grace_s: float, preempt_s: float, start: float) -> LaunchResult:
         cause = self._monitor(run_dir)
         stop = self.trap.received[0] if cause is None and self.trap.received else None
         if cause is not None:
@@ -126,20 +153,26 @@ class _Job:
                 rundir.write_marker(run_dir, f"rank {cause} failed ({_how(self.codes[cause])})", rank=cause,
                                     how=_how(self.codes[cause]),
                                     phase=(rundir.last_event(run_dir, cause) or {}).get("phase"))
-            except OSError as exc:  # a full disk: the ranks still come down (SIGTERM below), without the marker
-                print(f"lifecycle: cannot write {run_dir / rundir.SHUTDOWN_MARKER} ({exc.strerror or exc}); "
-                      f"stopping the ranks without it", file=sys.stderr, flush=True)
+            except (OSError, rundir.safeio.RunDirError) as exc:  # the ranks still come down, without the marker
+                print(f"lifecycle: cannot write {run_dir / rundir.SHUTDOWN_MARKER} ({exc}); stopping the ranks "
+                      f"without it", file=sys.stderr, flush=True)
         if len(self.codes) < len(self.procs):
-            self._shutdown(signal.SIGTERM if stop is None else stop, grace_s)
+            if stop is not None:
+                print(f"lifecycle: {stop.name}: the ranks save and stop (up to {preempt_s:g}s, "
+                      f"checkpoint.grace_s + teardown.deadline_s); {stop.name} again stops them at once", flush=True)
+            # The ranks take SIGTERM as the preemption request whatever reached the launcher (SIGINT included).
+            self._shutdown(signal.SIGTERM, grace_s if stop is None else preempt_s)
         if cause is not None:
             code = self.codes[cause]
             exit_code, how = (code if code >= 0 else 128 - code), _how(code)
             phase = (rundir.last_event(run_dir, cause) or {}).get("phase")
         else:
-            ok = all(c == 0 for c in self.codes.values())
-            exit_code, how, phase = (0 if ok or stop is None else 128 + stop), None, None
+            ok = all(c == 0 for c in self.codes.values()) and len(self.trap.received) < 2
+            last = self.trap.received[-1] if self.trap.received else None
+            exit_code, how, phase = (0 if ok or last is None else 128 + last), None, None
         return LaunchResult(exit_code, cause, how, phase, dict(sorted(self.codes.items())),
-                            time.monotonic() - start, stop.name if stop else None, tuple(self.killed))
+                            time.monotonic() - start, stop.name if stop else None, tuple(self.killed),
+                            aborted=len(self.trap.received) > 1)
 
     def _monitor(self, run_dir: Path) -> int | None:
         """Until every rank ended, one failed (returns it) or the launcher got a signal."""
@@ -225,7 +258,7 @@ class _ExitWatch:
         self._fds.clear()
 
 
-class _SignalTrap:
+class SignalTrap:
     """Records SIGINT/SIGTERM sent to the launcher; restores every handler torch or we replaced."""
 
     _TRAPPED = (signal.SIGINT, signal.SIGTERM)
@@ -234,7 +267,7 @@ class _SignalTrap:
         self.received: list[signal.Signals] = []
         self._saved: dict[signal.Signals, Any] = {}
 
-    def __enter__(self) -> _SignalTrap:
+    def __enter__(self) -> SignalTrap:
         if threading.current_thread() is threading.main_thread():
             # The same list PContext.start reads to decide which handlers to take over.
             names = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
@@ -281,6 +314,8 @@ def _prepare(run_dir: Path, nproc: int) -> dict[int, Path]:
     rundir.clear_marker(run_dir)
     for r in range(nproc):
         rundir.error_file(run_dir, r).unlink(missing_ok=True)
+        # The shell's redirect opens the log by name: whatever a path there is (a link, a FIFO), it goes first.
+        rundir.log_file(run_dir, r).unlink(missing_ok=True)
     return {r: rundir.log_file(run_dir, r) for r in range(nproc)}
 
 
@@ -299,7 +334,7 @@ def _rank_env(rank: int, nproc: int, port: int, run_dir: Path, extra: dict[str, 
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "LOCAL_RANK": str(rank),
         "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1",
         "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(nproc), "TORCHELASTIC_USE_AGENT_STORE": "True",
-        rundir.ENV_RUN_DIR: str(run_dir),
+        rundir.ENV_RUN_DIR: str(run_dir), ENV_LAUNCHER_PID: str(os.getpid()),
     }
 
 

@@ -29,6 +29,7 @@ from lifecycle.errors import ExitCode, PolicyError, PolicyIssue, UsageError
 from lifecycle.jsontypes import JsonDict
 
 if TYPE_CHECKING:
+    from lifecycle.launch.local import SignalTrap
     from lifecycle.launch.rundir import RunLock
     from lifecycle.policy.schema import Policy
 
@@ -50,12 +51,15 @@ def run(overrides: Sequence[str], *, nproc: int = 4, config_dir: str | None = No
     from lifecycle.policy.load import load
 
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        from lifecycle.launch.parent import die_with_launcher
+
+        die_with_launcher()
         rank = rank_env()[0]
         check_rendezvous_env()
         policy = load(overrides, config_dir=config_dir, config_name=config_name).policy
         sinks.check(sinks.from_env())
         rendezvous.check(rank, policy.deadline("init"))
-        return _run_as_rank(overrides, config_dir, config_name)
+        return _run_as_rank(policy, overrides)
     if nproc < 1:
         raise UsageError(f"--nproc must be >= 1 (got {nproc})")
     os.environ.setdefault("LIFECYCLE_RUN_ID", _new_run_id())
@@ -134,14 +138,19 @@ def release_run_dir(run_dir: Path) -> None:
 
 def launch(policy: Policy, nproc: int, *, overrides: Sequence[str] = ()) -> int:
     """Take the run directory, write the resolved policy, start the ranks, print and write the summary."""
+    from lifecycle.launch.local import SignalTrap
+
     run_dir = own_run_dir(policy)
     try:
-        return _launch(policy, nproc, run_dir, overrides)
+        # Between attempts too, SIGINT/SIGTERM are a stop request: no next attempt starts (the launcher's own trap
+        # takes over while ranks run).
+        with SignalTrap() as trap:
+            return _launch(policy, nproc, run_dir, overrides, trap)
     finally:
         release_run_dir(run_dir)
 
 
-def _launch(policy: Policy, nproc: int, run_dir: Path, overrides: Sequence[str]) -> int:
+def _launch(policy: Policy, nproc: int, run_dir: Path, overrides: Sequence[str], trap: SignalTrap) -> int:
     """Attempts in ``run_dir`` until one succeeds, ``restart.max_restarts`` are spent, a failure that a restart
     cannot fix (a usage error, a stop the launcher was asked for) or ``restart.max_no_progress`` attempts in a row
     without a newer checkpoint (``exit_codes.no_progress``). Each restart is the next attempt: it resumes from the
@@ -154,6 +163,9 @@ def _launch(policy: Policy, nproc: int, run_dir: Path, overrides: Sequence[str])
     preflight(policy, nproc, ranks_per_node=nproc)
     left = policy.restart.max_restarts
     while True:
+        if trap.received:
+            print(f"lifecycle: {trap.received[0].name}: not starting an attempt", file=sys.stderr, flush=True)
+            return 128 + trap.received[0]
         refused = _refusal(policy, run_dir)
         if refused is not None:
             print(f"lifecycle: {refused}", file=sys.stderr, flush=True)
@@ -161,6 +173,11 @@ def _launch(policy: Policy, nproc: int, run_dir: Path, overrides: Sequence[str])
         code, info, stopped, started = _attempt(policy, nproc, run_dir, overrides, left)
         left -= max(int(info.get("attempt") or started) - started, 0)  # the ranks' restarts in place
         if code == 0 or left <= 0 or stopped or code in (ExitCode.USAGE, policy.teardown.exit_codes.no_progress):
+            return code
+        if trap.received:
+            sig = trap.received[0]
+            print(f"lifecycle: {sig.name} after attempt {info.get('attempt') or started} failed (exit {code}): not "
+                  f"restarting", file=sys.stderr, flush=True)
             return code
         left -= 1
         done = policy.restart.max_restarts - left
@@ -199,17 +216,19 @@ def _attempt(policy: Policy, nproc: int, run_dir: Path, overrides: Sequence[str]
     again = f"attempt {attempt}, " if attempt > 1 else ""
     print(f"lifecycle: {again}{nproc} ranks, run directory {run_dir}", flush=True)
     result = launch_local([sys.executable, "-m", "lifecycle.launch.worker", str(run_dir)], nproc, run_dir,
-                          env={rundir.ENV_ATTEMPT: str(attempt), ENV_RESTARTS_LEFT: str(restarts_left)})
+                          env={rundir.ENV_ATTEMPT: str(attempt), ENV_RESTARTS_LEFT: str(restarts_left)},
+                          preempt_grace_s=policy.checkpoint.grace_s + policy.teardown.deadline_s)
     if result.first_failure is not None and result.per_rank.get(result.first_failure, 0) < 0:
         # A rank killed by a signal (kill -9, the OOM killer) died: the policy's code for that, not 128+N (the
         # signal stays in the outcome line and the summary).
         result = dataclasses.replace(result, exit_code=policy.teardown.exit_codes.rank_failed)
     info = summary.build(run_dir, result)
-    restarts.record_end(run_dir, int(info.get("attempt") or attempt), int(result.exit_code))  # the last, in place too
+    # The last attempt, in place too; never an earlier one (ranks killed before they wrote an event name none).
+    restarts.record_end(run_dir, max(int(info.get("attempt") or 0), attempt), int(result.exit_code))
     try:
         summary.write(run_dir, info)
-    except OSError as exc:  # a full disk: the run's verdict is still printed and its exit code returned
-        print(f"lifecycle: cannot write {run_dir / rundir.SUMMARY} ({exc.strerror or exc})", file=sys.stderr,
+    except (OSError, safeio.RunDirError) as exc:  # a full disk: the verdict is still printed and its code returned
+        print(f"lifecycle: cannot write {run_dir / rundir.SUMMARY} ({getattr(exc, 'strerror', None) or exc})", file=sys.stderr,
               flush=True)
     print(summary.render(info), flush=True)
     _timeline(run_dir)
@@ -241,15 +260,11 @@ def _timeline(run_dir: Path) -> None:
         logging.getLogger(__name__).warning("timeline not written: %s", exc)
 
 
-def _run_as_rank(overrides: Sequence[str], config_dir: str | None, config_name: str) -> int:
-    from lifecycle.launch.preflight import check_rendezvous_env, rank_env
+def _run_as_rank(policy: Policy, overrides: Sequence[str]) -> int:
+    from lifecycle.launch.preflight import rank_env
     from lifecycle.launch.worker import run_rank
-    from lifecycle.policy.load import load
 
     rank, world, _ = rank_env()
-    check_rendezvous_env()
-    loaded = load(overrides, config_dir=config_dir, config_name=config_name)
-    policy = loaded.policy
     run_dir = prepare_rank_dir(policy, rank, world, overrides, hint="torchrun --rdzv-id")
     code = run_rank(run_dir, policy)
     # Leave now, as the local launcher's ranks do: interpreter shutdown could wait on threads or process

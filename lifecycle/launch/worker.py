@@ -208,8 +208,10 @@ def _drill_fired(events: EventLog, drill: FaultDrill) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from lifecycle.launch.parent import die_with_launcher
     from lifecycle.obs.logconfig import setup_logging
 
+    die_with_launcher()
     args = sys.argv[1:] if argv is None else argv
     setup_logging()
     if len(args) != 1:

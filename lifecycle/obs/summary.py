@@ -112,7 +112,8 @@ def exit_status(events: dict[int, list[dict[str, Any]]], launch: Any | None) -> 
         evs = events.get(r, [])
         ev, fail, popen = _last(evs, "exit"), _last(evs, "failure"), per_rank.get(r)
         code = ev.get("exit_code") if ev else (popen if popen is None or popen >= 0 else 128 - popen)
-        how = ("killed by the launcher after the grace period" if r in killed
+        how = (f"killed by the launcher {'at once (asked again)' if getattr(launch, 'aborted', False) else 'after the grace period'}"
+               if r in killed
                else _how(popen) if popen is not None else f"exit {code}" if ev else "no exit event")
         out[r] = {"exit_code": code, "how": how, "last_phase": evs[-1].get("phase") if evs else None,
                   "error": (fail or {}).get("error")}

@@ -102,7 +102,8 @@ class CheckpointConfig(Section):
     signals: list[Signal] = Field(default_factory=lambda: _signals("SIGTERM"))
     """Signals treated as a preemption request."""
     grace_s: Seconds = 120.0
-    """Time from a preemption signal to exit, save included."""
+    """Time from a preemption signal to exit, save included: the local launcher waits this long (plus
+    teardown.deadline_s) for its ranks after a SIGTERM or Ctrl-C before it kills them."""
     signal_check_every: PositiveInt = 1
     """Agree on a preemption stop every n train steps (one world all-reduce; also at every periodic-save step):
     n > 1 saves that all-reduce on the other steps, and a signal then waits up to n-1 more steps before the save."""

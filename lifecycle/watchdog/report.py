@@ -114,22 +114,15 @@ def _attempt_of(path: Path) -> int | None:
 
 
 def _write_json(path: Path, data: JsonDict, *, first_only: bool = False) -> bool:
-    """Write ``path`` atomically (a reader never sees half a report); with ``first_only``, only when it does not
-    exist yet (``os.link`` refuses an existing target). Returns whether it was written."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    """Write ``path`` atomically (a reader never sees half a report), never over anything but a regular file; with
+    ``first_only``, only when nothing is there yet. Returns whether it was written."""
+    text = json.dumps(data, indent=1, default=str).encode()
     try:
-        tmp.write_text(json.dumps(data, indent=1, default=str))
-        if not first_only:
-            tmp.replace(path)
-            return True
-        try:
-            os.link(tmp, path)
-            return True
-        except FileExistsError:
-            return False
-        finally:
-            tmp.unlink(missing_ok=True)
-    except OSError as exc:
+        if first_only:
+            return safeio.write_new(path, text)
+        safeio.write_bytes(path, text)
+        return True
+    except (OSError, safeio.RunDirError) as exc:
         log.warning("cannot write %s: %s", path, exc)
         return False
 
@@ -154,7 +147,7 @@ def flight_recorder(ctx: RunContext) -> str | None:
         # torch < 2.10: _dump_nccl_trace; later: _dump_fr_trace (the Flight Recorder is not NCCL-only there)
         dump = getattr(c10d_c, "_dump_nccl_trace", None) or getattr(c10d_c, "_dump_fr_trace", None)
         if dump is not None:
-            Path(target).write_bytes(dump())
+            safeio.write_bytes(target, dump())
     except Exception as exc:  # noqa: BLE001 - the automatic dump on timeout still happens
         log.debug("flight recorder dump failed: %s", exc)
     return target + " (TORCH_NCCL_DUMP_ON_TIMEOUT also dumps there on an NCCL timeout)"

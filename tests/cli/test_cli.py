@@ -140,8 +140,9 @@ def test_explain_prints_the_communicator_bill_and_its_json() -> None:
 
 def test_a_communicator_budget_below_the_estimate_stops_the_run_before_any_rank_starts(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    proc = run_cli("run", "--nproc", "4", f"run.dir={run_dir}", "distributed.comm_memory_budget_gib=0.5",
-                   "distributed.backend=nccl")
+    # --oversubscribe: this machine has no GPU for the nccl ranks (refused first without it: tests/unit/test_capacity)
+    proc = run_cli("run", "--nproc", "4", "--oversubscribe", f"run.dir={run_dir}",
+                   "distributed.comm_memory_budget_gib=0.5", "distributed.backend=nccl")
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "distributed.comm_memory_budget_gib: rank 0's nccl communicators would take" in proc.stderr
     assert "over the budget; largest: " in proc.stderr and "NCCL_BUFFSIZE" in proc.stderr

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -101,26 +102,36 @@ def test_grandchildren_are_killed(tmp_path: Path) -> None:
     assert all(_gone(int(p)) for p in pids.values())  # type: ignore[call-overload]
 
 
-@pytest.mark.timeout(60)
-def test_sigterm_to_launcher_is_forwarded_as_preemption(tmp_path: Path) -> None:
-    grace = 2.0
+def _driven(tmp_path: Path, grace: float) -> subprocess.Popen[str]:
+    """launch_local of 3 preempt.py ranks (rank 1 ignores SIGTERM) in a driver process, once every rank is ready."""
     cmd = [sys.executable, str(WORKERS / "launch_driver.py"), str(tmp_path), "3", str(grace), "--",
            *_worker("preempt.py", 1)]
     driver = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "out").exists() or len(_notes(tmp_path, "ready")) < 3:
+        assert time.monotonic() < deadline and driver.poll() is None
+        time.sleep(0.05)
+    return driver
+
+
+def _result(driver: subprocess.Popen[str], timeout: float) -> dict[str, Any]:
     try:
-        deadline = time.monotonic() + 30
-        while not (tmp_path / "out").exists() or len(_notes(tmp_path, "ready")) < 3:
-            assert time.monotonic() < deadline and driver.poll() is None
-            time.sleep(0.05)
-        signalled = time.monotonic()
-        driver.send_signal(signal.SIGTERM)
-        out, _ = driver.communicate(timeout=grace + 10)
+        out, _ = driver.communicate(timeout=timeout)
     finally:
         if driver.poll() is None:
             driver.kill()
             driver.wait()
+    return json.loads(out.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+@pytest.mark.timeout(60)
+def test_sigterm_to_launcher_is_forwarded_as_preemption(tmp_path: Path) -> None:
+    grace = 2.0
+    driver = _driven(tmp_path, grace)
+    signalled = time.monotonic()
+    driver.send_signal(signal.SIGTERM)
+    res = _result(driver, grace + 10)
     took = time.monotonic() - signalled
-    res = json.loads(out.strip().splitlines()[-1])
     assert driver.returncode == 128 + signal.SIGTERM == res["exit_code"]
     assert (res["stopped_by"], res["first_failure"], res["killed"]) == ("SIGTERM", None, [1])
     assert res["describe"] == "stopped on SIGTERM, exit 143; ranks [1] were killed after the grace period"
@@ -128,6 +139,39 @@ def test_sigterm_to_launcher_is_forwarded_as_preemption(tmp_path: Path) -> None:
     assert not (tmp_path / SHUTDOWN_MARKER).exists()
     assert grace - 0.2 < took < grace + 5.0
     assert all(_gone(int(pid)) for pid in _notes(tmp_path, "ready").values())  # type: ignore[call-overload]
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_is_a_preemption_with_the_whole_grace_and_a_second_one_stops_at_once(tmp_path: Path) -> None:
+    grace = 30.0
+    driver = _driven(tmp_path, grace)
+    driver.send_signal(signal.SIGINT)
+    deadline = time.monotonic() + 10
+    while len(_notes(tmp_path, "sigterm")) < 2:  # the ranks got SIGTERM, their preemption signal, not SIGINT
+        assert time.monotonic() < deadline and driver.poll() is None
+        time.sleep(0.05)
+    time.sleep(1.0)
+    assert driver.poll() is None  # rank 1 still runs: the launcher waits out the grace, not a fixed 3 s
+    again = time.monotonic()
+    driver.send_signal(signal.SIGINT)
+    res = _result(driver, 10)
+    assert time.monotonic() - again < 5.0
+    assert (driver.returncode, res["exit_code"], res["stopped_by"], res["killed"]) == (130, 130, "SIGINT", [1])
+    assert res["describe"] == ("stopped on SIGINT, exit 130; ranks [1] were killed at once (asked again during the "
+                               "grace period)")
+    assert _notes(tmp_path, "sigterm") == {0: {"marker": False}, 2: {"marker": False}}
+
+
+@pytest.mark.timeout(60)
+def test_no_rank_outlives_its_launcher(tmp_path: Path) -> None:
+    driver = _driven(tmp_path, 2.0)
+    driver.kill()  # kill -9: the launcher can do nothing about its ranks
+    driver.wait()
+    pids = [int(p) for p in _notes(tmp_path, "ready").values()]  # type: ignore[call-overload]
+    deadline = time.monotonic() + 5
+    while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert all(_gone(p) for p in pids)
 
 
 @pytest.mark.timeout(60)

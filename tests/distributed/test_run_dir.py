@@ -130,6 +130,38 @@ def test_a_rank_whose_files_hold_another_step_stops_every_rank_before_step_1(tmp
     assert (ckpt / "latest").read_text().strip() == "iter_0000004" and (ckpt / "iter_0000002").is_dir()
 
 
+@pytest.mark.timeout(150)
+def test_a_resume_at_another_world_is_resharded_on_every_rank_and_another_steps_files_are_refused(
+        tmp_path: Path) -> None:
+    """A world-size change is not damage: with checkpoint.on_corrupt=fallback (the advice once given for it) every
+    rank of the new world loads step 4 and nothing is set aside; a folder holding another step's files (its manifest
+    copied along) is refused before any rank starts."""
+    import torch
+
+    first = lifecycle_run(tmp_path, 2, *QUICK)
+    assert first.code == 0, first.output
+    forged = tmp_path / "forged" / "run"
+    shutil.copytree(first.run_dir, forged)
+    again = lifecycle_run(tmp_path, 3, *QUICK, "train.steps=6", "checkpoint.on_corrupt=fallback", timeout=90)
+    assert again.code == 0, again.output
+    assert "resuming iter_0000004 resharded: world_size 2 -> 3, dp 2 -> 3" in again.output, again.output
+    ckpt = again.run_dir / "checkpoints"
+    assert sorted(p.name for p in ckpt.iterdir() if p.is_dir()) == ["iter_0000004", "iter_0000006"]  # none aside
+    resumed = {r: [e.get("step") for e in evs if e["name"] == "step" and e["kind"] == "begin"][:1]
+               for r, evs in again.events().items()}
+    assert resumed == {0: [5], 1: [5], 2: [5]}, resumed
+    # Every rank trained on from the same weights: the dp replicas saved at step 6 are equal.
+    saved = [torch.load(ckpt / "iter_0000006" / f"rank_{r}.pt", weights_only=True)["model"] for r in range(3)]
+    assert all(torch.equal(saved[0][k], other[k]) for other in saved[1:] for k in saved[0])
+
+    for f in (forged / "checkpoints" / "iter_0000002").iterdir():  # step 2's files, manifest too, as step 4
+        shutil.copyfile(f, forged / "checkpoints" / "iter_0000004" / f.name)
+    refused = lifecycle_run(forged.parent, 2, *QUICK, "train.steps=6", timeout=60)
+    assert refused.code == 2, refused.output
+    assert "manifest.json records step 2: the folder holds the files of another save" in refused.output
+    assert not (forged / "attempts").exists()  # refused before any rank started
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("name", "value", "needle"), [
     ("MASTER_PORT", "abc", "MASTER_PORT='abc' is not a port number"),

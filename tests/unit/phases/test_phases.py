@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -176,6 +178,82 @@ def test_checkpoint_commits_in_two_phases_and_resumes(make_ctx: MakeCtx, tmp_pat
     ctx.step_handler.setup(ctx)
     checkpoint.resume(ctx)
     assert ctx.step == 2 and ctx.resumed_from == 2
+
+
+def test_pruning_never_deletes_through_a_link_nor_fails_the_commit_it_follows(make_ctx: MakeCtx, tmp_path: Path) -> None:
+    ctx = _init(make_ctx({"train": {"steps": 3}, "checkpoint": {"keep_last": 1}}))
+    run = TrainPhase(checkpoint.save)
+    ctx.step_handler = run._build(ctx)
+    ctx.step_handler.setup(ctx)
+    root, outside = tmp_path / "ckpt", tmp_path / "elsewhere"
+    ctx.step = 1
+    checkpoint.save(ctx, "periodic")
+    (root / "iter_0000001").rename(outside)  # an older checkpoint kept elsewhere, linked into the folder
+    (root / "iter_0000001").symlink_to(outside, target_is_directory=True)
+    for step in (2, 3):
+        ctx.step = step
+        checkpoint.save(ctx, "periodic")
+    assert (root / "latest").read_text().strip() == "iter_0000003" and ctx.saved[-1] == str(root / "iter_0000003")
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("iter")) == ["iter_0000001", "iter_0000003"]
+    assert (outside / "rank_0.pt").is_file() and (root / "iter_0000001").is_symlink()
+
+
+def _saved_at(ctx: RunContext, *steps: int) -> Path:
+    ctx.step_handler = TrainPhase(checkpoint.save)._build(ctx)
+    ctx.step_handler.setup(ctx)
+    for step in steps:
+        ctx.step = step
+        checkpoint.save(ctx, "periodic")
+    return Path(ctx.policy.checkpoint.dir)
+
+
+def _fresh(ctx: RunContext) -> None:
+    ctx.step, ctx.resumed_from = 0, None
+    ctx.step_handler = TrainPhase(checkpoint.save)._build(ctx)
+    ctx.step_handler.setup(ctx)
+
+
+def _bound(folder: Path, **layout: object) -> None:
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["layout"].update(layout)
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_a_checkpoint_of_another_layout_is_resharded_or_refused_never_set_aside(make_ctx: MakeCtx,
+                                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    ctx = _init(make_ctx({"checkpoint": {"on_corrupt": "fallback"}}))
+    root = _saved_at(ctx, 2)
+    folder = root / "iter_0000002"
+    bound = json.loads((folder / "manifest.json").read_text())
+    assert (bound["format"], bound["step"], bound["layout"]["world_size"], bound["layout"]["kind"]) == \
+        (3, 2, 1, "synthetic")
+    _bound(folder, world_size=2, dp=2)  # written by two ranks: the synthetic kind's replicas load at any world
+    _fresh(ctx)
+    checkpoint.resume(ctx)
+    assert ctx.step == 2 and "resuming iter_0000002 resharded: world_size 2 -> 1, dp 2 -> 1" in capsys.readouterr().out
+    _bound(folder, kind="own_loop")  # a trainer's own model's state: not this kind's
+    _fresh(ctx)
+    with pytest.raises(CheckpointError, match=r"it holds the state of train.kind own_loop, not synthetic\. A change "
+                                              r"of layout or model is not damage: nothing was set aside"):
+        checkpoint.resume(ctx)
+    assert ctx.step == 0 and folder.is_dir() and (root / "latest").read_text().strip() == folder.name
+
+
+def test_a_load_rejected_after_it_ran_leaves_every_rank_on_the_fresh_state(make_ctx: MakeCtx) -> None:
+    import torch
+
+    ctx = _init(make_ctx({"checkpoint": {"on_corrupt": "fallback", "verify": "size", "keep_last": 0}}))
+    root = _saved_at(ctx, 2, 3)
+    shutil.copyfile(root / "iter_0000002" / "rank_0.pt", root / "iter_0000003" / "rank_0.pt")  # same size
+    shutil.rmtree(root / "iter_0000002")
+    _fresh(ctx)
+    initial = {k: v.clone() for k, v in ctx.step_handler.model.state_dict().items()}  # type: ignore[union-attr]
+    checkpoint.resume(ctx)  # step 3 loads step 2's weights, is rejected, and nothing older is left
+    assert ctx.step == 0 and ctx.resumed_from is None
+    now = ctx.step_handler.model.state_dict()  # type: ignore[union-attr]
+    assert all(torch.equal(now[k], initial[k]) for k in initial)
+    assert [p.name.split(".")[0] for p in root.iterdir() if p.name.startswith("iter")] == ["iter_0000003"]
+    assert ".corrupt-" in next(p.name for p in root.iterdir() if p.name.startswith("iter"))
 
 
 def test_async_checkpoint_commits_at_the_next_boundary(make_ctx: MakeCtx, tmp_path: Path) -> None:

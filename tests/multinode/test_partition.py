@@ -1,6 +1,7 @@
 """Two nodes (network namespaces joined by a veth pair), `torchrun --nnodes 2` on each: a clean run, the link
 cut mid-train, the store's host killed, and a re-run that resumes. Every rank must leave on its own within
-step deadline + heartbeat_stale_s + 10 s, naming the other side or the lost store.
+step deadline + heartbeat_stale_s + 10 s, naming the other side or the lost store (ranks whose torchrun agent is killed
+die with it).
 
 Needs root and `ip netns` (skipped with the reason otherwise). Every namespace and process is removed at
 the end, whatever happens.
@@ -93,10 +94,16 @@ def test_a_cut_link_takes_every_rank_down_in_bounded_time_and_a_rerun_resumes(tm
 def test_killing_the_store_host_takes_every_rank_down_in_bounded_time(tmp_path: Path) -> None:
     with TwoNodes(tmp_path) as c:
         _start_and_wait_for_a_checkpoint(c, tmp_path)
-        _gone_within_bound(c, c.kill_agent(c.nodes[0]))  # torchrun's agent on node A hosts the rendezvous store
-        for n in c.nodes:
-            assert re.search(r"side channel lost: store \S+ unreachable", n.output()), n.output()[-4000:]
-        for node in (0, 1):
-            codes = _exit_codes(tmp_path, node)
-            assert all(code not in (0, "no exit event") for code in codes.values()), (node, codes)
+        killed = c.kill_agent(c.nodes[0])  # torchrun's agent on node A hosts the rendezvous store
+        # Node A's ranks die with their agent (the parent-death signal): none outlives its launcher.
+        gone = c.wait_ranks_gone(5)
+        assert gone[c.nodes[0].name] is not None and gone[c.nodes[0].name] - killed < 3, (gone, killed)
+        _gone_within_bound(c, killed)
+        a, b = c.nodes
+        # Node B names what it lost: the store, or node A's ranks (its collective's peers at node A's address).
+        assert re.search(rf"side channel lost: store \S+ unreachable|Connection closed by peer \[{re.escape(a.addr)}\]",
+                         b.output()), b.output()[-4000:]
+        assert set(_exit_codes(tmp_path, 0).values()) == {"no exit event"}  # killed with the agent: nothing written
+        codes = _exit_codes(tmp_path, 1)
+        assert all(code not in (0, "no exit event") for code in codes.values()), codes
         assert _committed_step(tmp_path) >= 10

@@ -32,3 +32,15 @@ def install_team_pack(tmp: Path) -> Path:
         capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return site
+
+
+def fill_up(folder: Path) -> None:
+    """Write zeros into ``folder/filler`` until its file system is full (a small tmpfs the test mounted)."""
+    fd = os.open(folder / "filler", os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            os.write(fd, bytes(4096))
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, fill_up
 
 BAD = Path(__file__).parent / "bad_policies"
 MAX_CPU_S = 1.0  # CPU seconds of the command (interpreter start-up excluded)
@@ -182,14 +182,7 @@ def _full_disk(folder: Path) -> None:
     """A 200 KiB tmpfs at ``folder``, filled up (root only; the test unmounts it)."""
     folder.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=200k", "tmpfs", str(folder)], check=True, timeout=10)
-    fd = os.open(folder / "fill", os.O_WRONLY | os.O_CREAT)
-    try:
-        while True:
-            os.write(fd, bytes(4096))
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    fill_up(folder)
 
 
 @pytest.mark.timeout(60)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.distributed.runs import FAST, SYNTHETIC, lifecycle_run
-from tests.helpers import ROOT, run_cli
+from tests.helpers import ROOT, fill_up, run_cli
 
 pytestmark = [pytest.mark.distributed]
 QUICK = [*SYNTHETIC, *FAST, "train.steps=4", "checkpoint.every_steps=2"]
@@ -200,17 +200,6 @@ def test_a_reader_that_leaves_neither_stops_the_job_nor_changes_its_exit_code(tm
     assert json.loads((run / "summary.json").read_text())["exit_code"] == 4 and (run / "trace.json").is_file()
 
 
-def _fill(folder: Path) -> None:
-    fd = os.open(folder / "filler", os.O_WRONLY | os.O_CREAT)
-    try:
-        while True:
-            os.write(fd, bytes(4096))
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("breakage", ["read-only", "full"])
 def test_a_checkpoint_folder_broken_mid_run_is_one_line_exit_4_and_the_last_commit_stays(
@@ -235,7 +224,7 @@ def test_a_checkpoint_folder_broken_mid_run_is_one_line_exit_4_and_the_last_comm
         while not (ck / ckptdir.TRACKER).is_file() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.02)
         if breakage == "full":
-            _fill(ck)
+            fill_up(ck)
         else:
             subprocess.run(["mount", "-o", "remount,ro", str(ck)], check=True, timeout=10)
         out, _ = proc.communicate(timeout=60)

@@ -20,16 +20,14 @@ also tailed to this process's stdout. ``PYTHONUNBUFFERED=1`` unless given: a kil
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import select
 import signal
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -37,6 +35,7 @@ from typing import Any
 
 from lifecycle.launch import rundir
 from lifecycle.launch.parent import ENV_LAUNCHER_PID
+from lifecycle.launch.signals import SignalTrap, torch_leaves_our_signals
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +99,7 @@ def launch_local(argv: list[str], nproc: int, run_dir: Path, *, env: dict[str, s
     from torch.distributed.elastic.multiprocessing import start_processes
 
     with SignalTrap() as trap:
-        with _torch_leaves_our_signals():
+        with torch_leaves_our_signals():
             pc = start_processes(
                 name="lifecycle", entrypoint="/bin/sh", envs=envs,
                 args={r: (*_SH, str(logs[r]), *argv) for r in range(nproc)},
@@ -117,23 +116,6 @@ def launch_local(argv: list[str], nproc: int, run_dir: Path, *, env: dict[str, s
                 job.kill_all()
             pc.close(timeout=1)  # normally all reaped by now: this only stops the log tailers
             del store  # the store server lives exactly as long as the ranks
-
-
-@contextlib.contextmanager
-def _torch_leaves_our_signals() -> Iterator[None]:
-    """While ``PContext.start`` spawns the ranks, it replaces the handlers of the signals its environment variable
-    names with ones that raise in the middle of the spawn (ranks started by then would be left untracked): let it
-    take the ones we do not trap, so that a SIGINT/SIGTERM in that moment is recorded by ours like any other."""
-    name = "TORCHELASTIC_SIGNALS_TO_HANDLE"
-    before = os.environ.get(name)
-    os.environ[name] = "SIGHUP,SIGQUIT"
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = before
 
 
 class _Job:
@@ -258,36 +240,6 @@ class _ExitWatch:
         self._fds.clear()
 
 
-class SignalTrap:
-    """Records SIGINT/SIGTERM sent to the launcher; restores every handler torch or we replaced."""
-
-    _TRAPPED = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self) -> None:
-        self.received: list[signal.Signals] = []
-        self._saved: dict[signal.Signals, Any] = {}
-
-    def __enter__(self) -> SignalTrap:
-        if threading.current_thread() is threading.main_thread():
-            # The same list PContext.start reads to decide which handlers to take over.
-            names = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
-            sigs = {getattr(signal, n.strip(), None) for n in names.split(",")} | set(self._TRAPPED)
-            self._saved = {s: signal.getsignal(s) for s in sigs if isinstance(s, signal.Signals)}
-            self.arm()
-        return self
-
-    def arm(self) -> None:
-        for s, old in self._saved.items():
-            signal.signal(s, self._on_signal if s in self._TRAPPED else _handler(old))
-
-    def _on_signal(self, signum: int, frame: object) -> None:
-        self.received.append(signal.Signals(signum))
-
-    def __exit__(self, *exc: object) -> None:
-        for s, old in self._saved.items():
-            signal.signal(s, _handler(old))
-
-
 def _rank_logs(log_dir: Path, logs: dict[int, Path], console: set[int]) -> Any:
     """Where rank output goes: the sh wrapper writes the files; torch tails the console ranks' files."""
     from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
@@ -347,7 +299,3 @@ def _killpg(pgid: int, sig: signal.Signals) -> None:
         os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):  # the group is already gone
         pass
-
-
-def _handler(old: Any) -> Any:
-    return signal.SIG_DFL if old is None else old

@@ -29,8 +29,8 @@ from lifecycle.errors import ExitCode, PolicyError, PolicyIssue, UsageError
 from lifecycle.jsontypes import JsonDict
 
 if TYPE_CHECKING:
-    from lifecycle.launch.local import SignalTrap
-    from lifecycle.launch.rundir import RunLock
+    from lifecycle.launch.runlock import RunLock
+    from lifecycle.launch.signals import SignalTrap
     from lifecycle.policy.schema import Policy
 
 
@@ -113,7 +113,7 @@ def own_run_dir(policy: Policy, *, peers_starting: bool = False) -> Path:
     lock: one launcher per run directory (a second one exits 2 naming the holder). The resolved run directory.
     ``peers_starting``: rank 0 of a job other ranks of which start now (torchrun, srun, attach)."""
     from lifecycle.launch import preflight as checks
-    from lifecycle.launch import rundir
+    from lifecycle.launch import runlock
 
     issues = checks.place_problem(policy.run.dir, policy.checkpoint.dir)
     if issues:
@@ -122,7 +122,7 @@ def own_run_dir(policy: Policy, *, peers_starting: bool = False) -> Path:
     checks.check_dirs(policy.run.dir, policy.checkpoint.dir)
     run_dir = Path(policy.run.dir).resolve()
     if run_dir not in _HELD:
-        lock = rundir.RunLock(run_dir).acquire()
+        lock = runlock.RunLock(run_dir).acquire()
         if lock.took_over:
             print(f"lifecycle: took over run directory {run_dir} from a launcher that is gone ({lock.took_over})",
                   flush=True)
@@ -138,7 +138,7 @@ def release_run_dir(run_dir: Path) -> None:
 
 def launch(policy: Policy, nproc: int, *, overrides: Sequence[str] = ()) -> int:
     """Take the run directory, write the resolved policy, start the ranks, print and write the summary."""
-    from lifecycle.launch.local import SignalTrap
+    from lifecycle.launch.signals import SignalTrap
 
     run_dir = own_run_dir(policy)
     try:

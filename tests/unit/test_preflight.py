@@ -186,28 +186,28 @@ def test_the_rendezvous_environment_is_checked() -> None:
 
 def test_one_launcher_holds_a_run_directory(tmp_path: Path) -> None:
     from lifecycle import safeio
-    from lifecycle.launch import rundir
+    from lifecycle.launch import rundir, runlock
 
-    first = rundir.RunLock(tmp_path).acquire()
+    first = runlock.RunLock(tmp_path).acquire()
     assert first.took_over is None
     with pytest.raises(safeio.RunDirError, match=rf"run directory {tmp_path} is in use by another launcher \(host "):
-        rundir.RunLock(tmp_path).acquire()
+        runlock.RunLock(tmp_path).acquire()
     first.release()
     first.release()
-    again = rundir.RunLock(tmp_path).acquire()
+    again = runlock.RunLock(tmp_path).acquire()
     again.release()
     (tmp_path / rundir.LOCK).write_text("host gone, pid 1, started then\n")  # a holder that died holding it
-    taken = rundir.RunLock(tmp_path).acquire()
+    taken = runlock.RunLock(tmp_path).acquire()
     assert taken.took_over == "host gone, pid 1, started then"
     # The lock is on the folder: deleting (or replacing) its file while the holder runs hands nobody the directory.
     (tmp_path / rundir.LOCK).unlink()
     with pytest.raises(safeio.RunDirError, match="in use by another launcher"):
-        rundir.RunLock(tmp_path).acquire()
+        runlock.RunLock(tmp_path).acquire()
     (tmp_path / rundir.LOCK).write_text("")
     with pytest.raises(safeio.RunDirError, match="in use by another launcher"):
-        rundir.RunLock(tmp_path).acquire()
+        runlock.RunLock(tmp_path).acquire()
     taken.release()
-    rundir.RunLock(tmp_path).acquire().release()
+    runlock.RunLock(tmp_path).acquire().release()
 
 
 def test_files_a_starting_peer_writes_do_not_make_the_folder_foreign(tmp_path: Path) -> None:

@@ -157,7 +157,17 @@ def diagnose(cause: str, detail: str, records: dict[int, JsonDict | None], world
         culprits = sorted((named | set(lagging) | dead_causes) - (waiting - set(dead)))
     if not culprits and hint:
         culprits = sorted(set(hint))
+    culprits = _not_waiting(culprits, live, set(dead))
     return Diagnosis(cause, detail, origin, phase, waits, culprits, dead, dict(records), lagging, now)
+
+
+def _not_waiting(culprits: list[int], live: dict[int, JsonDict], dead: set[int]) -> list[int]:
+    """Of ranks no traced op tells apart (each in its step, say), the ones blocked in a collective wait for the
+    others (a MoE all-to-all, a tensor-parallel all-reduce lifecycle does not trace): when some live culprit is
+    blocked in its own code, only those are named (and the dead)."""
+    own = [r for r in culprits if r in dead or (live.get(r) or {}).get("blocked") == "own code"]
+    waiting = [r for r in culprits if r not in dead and (live.get(r) or {}).get("blocked") == "collective"]
+    return sorted(r for r in culprits if r not in waiting) if own and waiting else culprits
 
 
 def crossed(rank: int, op: Op, begun: dict[str, int], peers: dict[int, JsonDict | None],
@@ -196,6 +206,8 @@ def where(rec: JsonDict | None, now: float) -> str:
         text += f", {at} op {op[0]} on group {op[1]} (#{op[2]})"
     elif rec.get("from_events"):
         text += f", its last event: {rec['from_events']}"
+    if rec.get("blocked"):
+        text += ", blocked in a collective" if rec["blocked"] == "collective" else ", busy in its own code"
     if rec.get("state") not in (None, "running"):
         error = str(rec.get("error") or "")
         text += f", state {rec['state']}" + (f": {error[:160]}" + ("..." if len(error) > 160 else "") if error else "")

@@ -11,7 +11,11 @@ What is tracked (all from ``begin``/``end`` span events):
 - per group label, how many spans this rank has *begun* on that group (its sequence number there).
   Spans without a group count on ``world``: every rank runs them in the same order (plan order), so
   on any group, a member whose count is below mine has not reached the op I am in;
-- the time of the last begin/end (the watchdog measures the phase deadline from it).
+- the time of the last begin/end (the watchdog measures the phase deadline from it);
+- once the rank has been idle a while, where its training thread is blocked (:func:`blocked_in`): inside a
+  ``torch.distributed`` call (waiting for peers, whatever lifecycle traces) or in its own code. A rank frozen in its
+  own code is the one its peers wait for, even when the collective they wait in is one lifecycle does not see (a
+  MoE all-to-all, a tensor-parallel all-reduce): the diagnosis names only it.
 
 Phase begins (``phase:<name>``) count as ``world`` ops too, so a rank stuck at a phase entry is seen
 behind the ranks that already started the phase's first op.
@@ -19,6 +23,7 @@ behind the ranks that already started the phase's first op.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections import Counter
@@ -28,6 +33,29 @@ from typing import NamedTuple
 from lifecycle.jsontypes import Json, JsonDict
 
 WORLD = "world"
+BLOCKED_AFTER_S = 1.0
+"""Idle this long, a rank's record says where its training thread is blocked (:func:`blocked_in`)."""
+_WAITING = ("/torch/distributed/", "/torch/cuda/streams.py", "/torch/cuda/__init__.py",
+            "/megatron/core/tensor_parallel/mappings.py", "/megatron/core/pipeline_parallel/p2p_communication.py",
+            "/megatron/core/distributed/param_and_grad_buffer.py", "/lifecycle/distributed/collectives.py")
+"""Frames of code that waits for peers or the device (torch's collectives and the wrappers that wait on their
+handles): a thread inside one is waiting, not stuck in its own code."""
+
+
+def blocked_in(thread_id: int) -> str | None:
+    """Where the thread is: ``collective`` when one of its frames is in ``torch.distributed`` (or a CUDA
+    synchronize: on NCCL a host waits for a collective there), else ``own code``; None when it is gone. Read from
+    another thread (a snapshot of its frames; no lock of the training thread's is taken)."""
+    frame = sys._current_frames().get(thread_id)
+    if frame is None:
+        return None
+    depth = 0
+    while frame is not None and depth < 200:
+        name = frame.f_code.co_filename.replace("\\", "/")
+        if any(part in name for part in _WAITING):
+            return "collective"
+        frame, depth = frame.f_back, depth + 1
+    return "own code"
 
 
 class Op(NamedTuple):
@@ -66,6 +94,11 @@ class ProgressTracker:
         self.t_progress = time.monotonic()
         self.state = "running"
         self.error: str | None = None
+        self.thread: int | None = None
+        """The thread that emits the spans (the training thread)."""
+        self.blocked: str | None = None
+        """Where that thread was blocked when last looked at while idle and running (kept once the rank stops:
+        the position it was stuck in)."""
 
     def on_event(self, event: JsonDict) -> None:
         """EventLog listener: O(1), no I/O."""
@@ -80,6 +113,8 @@ class ProgressTracker:
             self.phase = event["phase"]
             self.step = event.get("step")
             self.t_progress = now
+            self.thread = threading.get_ident()
+            self.blocked = None
             if kind == "end":
                 closed = self._close(name)
                 if closed is not None and event.get("outcome", "ok") != "ok":
@@ -143,6 +178,11 @@ class ProgressTracker:
                 "begun": dict(self.begun), "idle_s": round(time.monotonic() - self.t_progress, 3),
                 "t": time.time(), "error": self.error,
             }
+            thread, idle = self.thread, time.monotonic() - self.t_progress
+        if thread is not None and idle >= BLOCKED_AFTER_S and rec["state"] == "running":
+            self.blocked = blocked_in(thread)
+        if self.blocked is not None:
+            rec["blocked"] = self.blocked
         if self.extra is not None:
             rec.update(self.extra())
         return rec

@@ -57,7 +57,7 @@ def _assert_reports(run: Run, phase: str, culprit: int) -> None:
         assert re.search(rf"stuck: rank {culprit} \[", block), block
         assert re.search(r"rank \d (waits in|is past) \S+ on group \S+ \(op #\d+", block), block
     report = json.loads((run.run_dir / "hang_report.json").read_text())
-    assert culprit in report["culprits"], report["culprits"]
+    assert report["culprits"] == [culprit], report["culprits"]  # the one guilty rank, never its partners
     assert report["reporter"] == (1 if culprit == 0 and report["dead"] else 0), report["reporter"]
 
 
@@ -140,3 +140,19 @@ def test_skipped_collective_is_reported_before_any_timeout(tmp_path: Path) -> No
         assert last - fired < deadline / 2, (rank, last - fired)
     for rank in range(4):  # no timeout fired anywhere: the divergence was named first
         assert "HangError" not in run.log(rank) and "did not complete within" not in run.log(rank)
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_stalled_in_a_megatron_step_is_the_one_culprit_not_its_tp_and_ep_partners(tmp_path: Path) -> None:
+    """The megatron kind at tp2 ep2 (world 4): the stalled rank's tp and ep partners wait inside their own step, in
+    collectives lifecycle does not trace (tensor-parallel all-reduce, MoE all-to-all); they are blocked in a
+    collective, the stalled rank in its own code: only it is named."""
+    run = lifecycle_run(tmp_path, 4, "parallelism.tp=2", "train.steps=4", "checkpoint.every_steps=0",
+                        "watchdog.deadlines.init=60", f"watchdog.deadlines.step={DEADLINE}", "teardown.deadline_s=5",
+                        f"watchdog.deadlines.teardown={DEADLINE}",
+                        "watchdog.poll_interval_s=0.25", "+faults=[{at: train, step: 3, ranks: [2], action: stall}]",
+                        timeout=100)
+    assert run.code == 3, run.output
+    report = json.loads((run.run_dir / "hang_report.json").read_text())
+    assert report["culprits"] == [2], report["culprits"]
+    assert {r: rec.get("blocked") for r, rec in report["ranks"].items()}["2"] == "own code"

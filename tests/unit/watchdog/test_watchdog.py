@@ -96,6 +96,58 @@ def test_the_stalled_rank_is_the_culprit_not_the_ranks_waiting_on_it() -> None:
     assert json.loads(json.dumps(d.to_json()))["culprits"] == [1]
 
 
+@pytest.mark.parametrize("frozen", [0, 1, 2, 3])
+def test_a_rank_frozen_in_its_own_code_is_the_one_culprit_whatever_its_partners(frozen: int) -> None:
+    """Ranks 0-1 and 2-3 are tp (or ep) partners, untraced collectives between them; 0-2 and 1-3 dp partners in a
+    traced gradient reduction. The frozen rank's partner waits inside its step too, but blocked in a collective."""
+    partner = frozen ^ 1
+    step = ["step", "world", 19, 3]
+    records: dict[int, dict[str, Any] | None] = {}
+    for r in range(4):
+        if r in (frozen, partner):
+            records[r] = {**_rec(r, "train", step, {"world": 19, "dp": 5}), "blocked": "own code" if r == frozen
+                          else "collective"}
+        else:
+            records[r] = {**_rec(r, "train", ["grad_reduce", "dp", 6, 3], {"world": 19, "dp": 6}, ranks=[0, 1, 2, 3]),
+                          "blocked": "collective"}
+    d = diagnosis.diagnose("hang", "no progress", records, 4, phase="train", now=100.0)
+    assert d.culprits == [frozen], d.culprits
+    assert f"stuck: rank {frozen} [alive]: phase train, in op step on group world (#19), busy in its own code" in \
+        diagnosis.render(d, partner)
+    for r in (frozen, partner):  # nobody looked where they are (an older record): both stay named
+        del records[r]["blocked"]  # type: ignore[index]
+    assert diagnosis.diagnose("hang", "x", records, 4, phase="train", now=100.0).culprits == sorted({frozen, partner})
+
+
+def test_the_tracker_says_where_an_idle_training_thread_is_blocked() -> None:
+    import torch.distributed as dist
+
+    t = ProgressTracker(0)
+    t.on_event(_ev("begin", "step", "train", step=1))
+    t.t_progress -= 5.0
+    assert t.record()["blocked"] == "own code"  # this thread, here: test code
+    ready = threading.Event()
+    waiting = ProgressTracker(1)
+    store = dist.HashStore()
+    c10d: Any = dist.distributed_c10d
+
+    def in_a_collective() -> None:
+        waiting.on_event(_ev("begin", "step", "train", step=1))
+        ready.set()
+        # A torch.distributed call that blocks until its peer comes, as a collective does.
+        c10d._store_based_barrier(1, store, "x", 2, datetime.timedelta(seconds=20))
+
+    thread = threading.Thread(target=in_a_collective, daemon=True)
+    thread.start()
+    ready.wait(5)
+    time.sleep(0.5)
+    waiting.t_progress -= 5.0
+    blocked = waiting.record()["blocked"]
+    store.set(f"{c10d.STORE_BASED_BARRIER_PREFIX}:x:last_worker", "1")  # the peer came
+    thread.join(10)
+    assert blocked == "collective"
+
+
 def test_a_rank_behind_on_store_sync_points_is_named_when_no_span_shows_it() -> None:
     same = ["phase:checkpoint", "world", 16, 2]
     records = {r: _rec(r, "checkpoint", None, {"world": 16}, last=same, sync=2 if r != 1 else 1) for r in range(4)}

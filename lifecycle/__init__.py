@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from lifecycle.errors import (
     CheckpointError,
     HangError,
+    JobFailed,
     LifecycleError,
     PhaseError,
     PolicyError,
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
 
 __version__ = LIBRARY_VERSION
 
-__all__ = ["CheckpointError", "Decision", "HandlerSpec", "HangError", "Job", "LifecycleError", "PhaseError",
+__all__ = ["CheckpointError", "Decision", "HandlerSpec", "HangError", "Job", "JobFailed", "LifecycleError", "PhaseError",
            "Policy", "PolicyError", "TransitionError", "UsageError", "attach", "install_zero_token_guard",
            "load_policy"]
 

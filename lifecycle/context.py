@@ -32,6 +32,9 @@ if TYPE_CHECKING:
     from lifecycle.watchdog.straggler import ComputeWindow
     from lifecycle.watchdog.tracker import ProgressTracker
 
+ADAPTIVE = ("train", "checkpoint", "eval")
+"""The deadlines that can be ``auto``, in the order their proposals ride on the stop-flag all-reduce."""
+
 PhaseHook = Callable[["RunContext", "str | None", str, bool], None]
 """``hook(ctx, old_phase, new_phase, failure)``, run at every transition (all ranks, same order)."""
 
@@ -87,6 +90,10 @@ class RunContext:
     """Which run of the same command in the same run directory this is (1 for a new run)."""
     own_loop: bool = False
     """A trainer's own loop (``lifecycle.attach``): the policy's train kind does not say which groups it uses."""
+    adopted_world: bool = False
+    """The default process group was the trainer's (made before ``attach``): lifecycle never aborts or destroys it."""
+    adopted_groups: bool = False
+    """The model-parallel groups were the trainer's: lifecycle never destroys them."""
     started_attempt: bool = False
     """Rank 0 recorded this attempt's start in the restart ledger (at init): it records the end too."""
     restarts_left: int = 0
@@ -158,12 +165,12 @@ class RunContext:
             model.observe(seconds)
 
     def deadline_proposals(self) -> list[float]:
-        """This rank's proposals for the adaptive deadlines, in a fixed order (train, checkpoint)."""
-        return [self.adaptive[p].proposal() if p in self.adaptive else 0.0 for p in ("train", "checkpoint")]
+        """This rank's proposals for the adaptive deadlines, in a fixed order (:data:`ADAPTIVE`)."""
+        return [self.adaptive[p].proposal() if p in self.adaptive else 0.0 for p in ADAPTIVE]
 
     def agree_deadlines(self, agreed: list[float]) -> None:
         """Every rank calls it with the same values: the maximum of every rank's proposals."""
-        for phase, value in zip(("train", "checkpoint"), agreed, strict=True):
+        for phase, value in zip(ADAPTIVE, agreed, strict=True):
             model = self.adaptive.get(phase)
             if model is not None:
                 before = model.effective()

@@ -127,6 +127,15 @@ class RestartRequested(LifecycleError):
     at the next step boundary to join them. Not a failure of this rank's."""
 
 
+class JobFailed(LifecycleError):
+    """A trainer's Job (``lifecycle.attach``) failed where no other error says so (its teardown); ``code`` is the
+    exit code the process leaves with when nothing catches it."""
+
+    def __init__(self, message: str, *, code: int, **where: object) -> None:
+        super().__init__(message, **where)  # type: ignore[arg-type]
+        self.code = code
+
+
 class RunDirError(UsageError):
     """A file of a run or checkpoint directory cannot be used (not a regular file, too large, unreadable);
     ``path`` names it. Exit 2: the folder's content is wrong, not the job."""
@@ -173,6 +182,8 @@ def exit_code(exc: BaseException, codes: PolicyExitCodes | None = None) -> int:
     """The one place a process's exit code comes from when it ends with ``exc``: 2 for the user's input (policy,
     command line, environment, checkpoint or run-directory files), the policy's hang code (``codes``, else 3) for a
     hang or a diverged collective sequence, its rank_failed code (else 4) for anything else."""
+    if isinstance(exc, JobFailed):
+        return exc.code
     if isinstance(exc, PolicyError | UsageError):
         return ExitCode.USAGE
     if isinstance(exc, HangError | SequenceMismatch):
@@ -201,6 +212,11 @@ class HangError(PhaseError):
     def __init__(self, message: str, *, missing: list[int] | None = None, **where: object) -> None:
         super().__init__(message, **where)  # type: ignore[arg-type]
         self.missing = list(missing or [])
+
+
+class PeerFailed(PhaseError):
+    """A collective broke because a peer failed or died first (the watchdog's alarm names it): the consequence of that
+    failure, not an error of this rank's; the rank-failed code like the peer's."""
 
 
 class PeerLeftAfterHang(HangError):

@@ -16,6 +16,7 @@ and it resumes from the last committed checkpoint. ``--own-save`` keeps the trai
 from __future__ import annotations
 
 import argparse
+import atexit
 import datetime
 import os
 import time
@@ -48,6 +49,12 @@ def parse() -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--own-save", action="store_true", help="the trainer saves; lifecycle wraps it")
     p.add_argument("--freeze", default="", help="RANK:STEP: that rank's step never ends (a hang, for the tests)")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds of extra 'compute' per step")
+    p.add_argument("--setup-s", type=float, default=0.0, help="seconds of set-up after attach (data, load_checkpoint)")
+    p.add_argument("--eval-every", type=int, default=0, help="evaluate after every N-th step, in job.phase('eval')")
+    p.add_argument("--eval-s", type=float, default=0.0, help="seconds one evaluation takes")
+    p.add_argument("--own-sigterm", action="store_true", help="the trainer's own SIGTERM handler, set before attach")
+    p.add_argument("--raise-at", default="", help="RANK:STEP: the trainer's own code raises there (for the tests)")
+    p.add_argument("--explicit-close", action="store_true", help="attach ... job.close() instead of `with`")
     args, rest = p.parse_known_args()
     return args, [r for r in rest if r != "--"]
 
@@ -117,22 +124,62 @@ def main() -> None:
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=120))
     ps.initialize_model_parallel(tensor_model_parallel_size=args.tp, expert_model_parallel_size=args.ep)
     overrides = [f"parallelism.tp={args.tp}", f"parallelism.ep={args.ep}", *overrides]
+    if args.own_sigterm:
+        own_sigterm_handler()
+    atexit.register(note, "atexit")  # the trainer's atexit handlers run too, whatever happened
+    try:
+        if args.explicit_close:  # the form of a trainer whose loop is not one block
+            job = lifecycle.attach(overrides=overrides)  # lifecycle
+            train(job, args)
+            job.close()  # lifecycle: the policy's teardown (the trainer's groups are left to it)
+        else:
+            with lifecycle.attach(overrides=overrides) as job:  # lifecycle: policy, warmup, watchdog
+                train(job, args)
+    finally:
+        note("finally")  # the trainer's own clean-up runs whatever happened
+    dist.destroy_process_group()  # the trainer's own group, destroyed by the trainer after lifecycle closed
+    note("destroyed")
 
-    with lifecycle.attach(overrides=overrides) as job:  # lifecycle: policy, warmup, watchdog
-        model, optimizer, config = build(args)
-        freeze_rank, _, freeze_step = args.freeze.partition(":")
-        if args.own_save:
-            own_loop_with_own_save(job, model, optimizer, args)
-            return
-        job.watch(model, optimizer)  # lifecycle: zero-token guard, DDP spans, checkpoints + resume
-        for step in job.steps(args.steps):  # lifecycle: one step span each; checkpoints, stop flag between
-            if args.freeze and dist.get_rank() == int(freeze_rank) and step == int(freeze_step):
-                time.sleep(3600)  # the trainer's own step hangs: lifecycle names this rank and step
-            time.sleep(args.step_sleep)
-            loss = train_step(model, optimizer, step)
-            job.report(loss=loss)  # lifecycle (optional): the loss in events and the summary
-            if dist.get_rank() == 0:
-                print(f"step {step} loss {loss:.4f}", flush=True)
+
+def train(job: lifecycle.Job, args: argparse.Namespace) -> None:
+    time.sleep(args.setup_s)  # the trainer's set-up (data iterators, load_checkpoint): watchdog.deadlines.setup
+    model, optimizer, config = build(args)
+    freeze_rank, _, freeze_step = args.freeze.partition(":")
+    raise_rank, _, raise_step = args.raise_at.partition(":")
+    if args.own_save:
+        own_loop_with_own_save(job, model, optimizer, args)
+        return
+    job.watch(model, optimizer)  # lifecycle: zero-token guard, DDP spans, checkpoints + resume
+    for step in job.steps(args.steps):  # lifecycle: one step span each; checkpoints, stop flag between
+        if args.freeze and dist.get_rank() == int(freeze_rank) and step == int(freeze_step):
+            time.sleep(3600)  # the trainer's own step hangs: lifecycle names this rank and step
+        if args.raise_at and dist.get_rank() == int(raise_rank) and step == int(raise_step):
+            raise RuntimeError(f"the trainer's own code failed at step {step}")
+        time.sleep(args.step_sleep)
+        loss = train_step(model, optimizer, step)
+        job.report(loss=loss)  # lifecycle (optional): the loss in events and the summary
+        if args.eval_every and step % args.eval_every == 0:
+            with job.phase("eval"):  # lifecycle: watchdog.deadlines.eval, not the step's
+                time.sleep(args.eval_s)  # the trainer's evaluation
+        if dist.get_rank() == 0:
+            print(f"step {step} loss {loss:.4f}", flush=True)
+
+
+def note(what: str) -> None:
+    """Leave a mark for the tests: RUN_DIR/trainer/<what>.rank_<R> (when LIFECYCLE_EXAMPLE_NOTES names a folder)."""
+    folder = os.environ.get("LIFECYCLE_EXAMPLE_NOTES")
+    if folder:
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, f"{what}.rank_{os.environ.get('RANK', '0')}"), "w") as f:
+            f.write(what)
+
+
+def own_sigterm_handler() -> None:
+    """The trainer's own SIGTERM handler (as Megatron-LM's --exit-signal-handler has one): lifecycle calls it after
+    its own."""
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda signum, frame: note("own_sigterm"))
 
 
 def own_loop_with_own_save(job: lifecycle.Job, model, optimizer, args) -> None:  # type: ignore[no-untyped-def]

@@ -32,7 +32,7 @@ def _try_load(ctx: RunContext, path: Path) -> str | None:
     BaseException: everything but an interrupt is a load failure here. A failed load leaves ``ctx.step`` as it was."""
     before = ctx.step
     try:
-        with ctx.events.span("resume", path=str(path)):
+        with ctx.events.span("resume", path=str(path), deadline="checkpoint"):  # a load, not a step
             loaded = int(step_handler(ctx).load(ctx, path))
             if not 0 <= loaded <= binding.MAX_STEP:
                 raise ValueError(f"the files hold step {loaded}, which no run reaches (forged or corrupted)")
@@ -61,7 +61,7 @@ def _verify_then_load(ctx: RunContext, path: Path) -> Tried:
     outcome before any of them starts the load: the load is collective (torch_dist), so a rank that skipped it
     would leave the others in a mismatched collective."""
     if ctx.policy.checkpoint.verify == "digest":
-        with ctx.events.span("verify", path=str(path)):
+        with ctx.events.span("verify", path=str(path), deadline="checkpoint"):
             changed = ckptdir.changed(path, ctx.rank, ctx.world_size)
         failed, steps = _agree_loaded(ctx, changed is not None)
         if failed:

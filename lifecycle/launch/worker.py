@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
@@ -35,29 +36,54 @@ ENV_RESTARTS_LEFT = "LIFECYCLE_RESTARTS_LEFT"
 """Set by the local launcher for its ranks: the restarts (``restart.max_restarts``) this job has left."""
 
 
-def install_signals(ctx: RunContext, orchestrator: Orchestrator) -> None:
+def install_signals(ctx: RunContext, orchestrator: Orchestrator, *, own_loop: bool = False) -> Callable[[], None]:
     """Preemption signals set a flag handled at the next step boundary; the launcher's shutdown SIGTERM
-    (the run directory has a ``.shutdown`` marker) leaves through the failure path instead."""
+    (the run directory has a ``.shutdown`` marker) leaves through the failure path instead.
+
+    ``own_loop`` (a trainer's process, ``lifecycle.attach``): the handlers it had are called after lifecycle's (its
+    own preemption logic still fires), and with ``checkpoint.on_signal: false`` lifecycle installs none at all.
+    Returns what puts the handlers that were there back."""
     from lifecycle.errors import Shutdown
 
-    def on_signal(signum: int, _frame: FrameType | None) -> None:
-        name = signal.Signals(signum).name
-        if has_marker(ctx.run_dir):
-            # Raise only where the orchestrator turns it into the failure path: not before the run started,
-            # not while a failure is already being handled (the watchdog acts on the marker there).
-            if orchestrator.current not in (None, "teardown") and orchestrator.error is None:
-                raise Shutdown(f"{name} from the launcher: another rank failed")
-            return
-        if orchestrator.current == "teardown":
-            log.info("%s during teardown: ignored", name)
-            return
-        if ctx.stop.preempt_signal is None:
-            log.warning("%s received: will save and stop at the next step boundary", name)
-        ctx.stop.preempt_signal = name
+    chained: dict[int, Callable[[int, FrameType | None], object]] = {}
 
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
+        try:
+            if has_marker(ctx.run_dir):
+                # Raise only where the orchestrator turns it into the failure path: not before the run started,
+                # not while a failure is already being handled (the watchdog acts on the marker there).
+                if orchestrator.current not in (None, "teardown") and orchestrator.error is None:
+                    raise Shutdown(f"{name} from the launcher: another rank failed")
+                return
+            if orchestrator.current == "teardown":
+                log.info("%s during teardown: ignored", name)
+                return
+            if ctx.stop.preempt_signal is None:
+                log.warning("%s received: will save and stop at the next step boundary", name)
+            ctx.stop.preempt_signal = name
+        finally:
+            previous = chained.get(signum)
+            if previous is not None:
+                previous(signum, frame)
+
+    saved: dict[int, object] = {}
+
+    def restore() -> None:
+        for sig, before in saved.items():
+            if signal.getsignal(sig) is on_signal:  # a handler the trainer set since is its own
+                signal.signal(sig, before)  # type: ignore[arg-type]
+
+    if own_loop and not ctx.policy.checkpoint.on_signal:
+        return restore
     names = set(ctx.policy.checkpoint.signals if ctx.policy.checkpoint.on_signal else []) | {"SIGTERM"}
     for name in names:
-        signal.signal(getattr(signal, name), on_signal)
+        sig = getattr(signal, name)
+        before = signal.signal(sig, on_signal)
+        saved[sig] = before
+        if own_loop and callable(before) and before is not signal.default_int_handler:
+            chained[sig] = before  # the trainer's: SIG_DFL/SIG_IGN and Python's KeyboardInterrupt are not chained
+    return restore
 
 
 def run_rank(run_dir: Path, policy: Policy | None = None) -> int:
@@ -188,10 +214,11 @@ def start_watchdog(ctx: RunContext) -> None:
     from lifecycle.watchdog.seqcheck import SequenceCheck
 
     cfg = ctx.policy.watchdog
+    from lifecycle.context import ADAPTIVE
     from lifecycle.watchdog.adaptive import AdaptiveDeadline
     from lifecycle.watchdog.straggler import ComputeWindow
 
-    for phase in ("train", "checkpoint"):
+    for phase in ADAPTIVE:
         if ctx.policy.is_auto(phase):
             ctx.adaptive[phase] = AdaptiveDeadline(phase, ctx.policy.deadline(phase), cfg.adaptive)
     if cfg.straggler.action != "off":

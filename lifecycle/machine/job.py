@@ -24,13 +24,13 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, NoReturn
 
-from lifecycle.errors import PolicyError, PolicyIssue, UsageError
+from lifecycle.errors import JobFailed, LifecycleError, PolicyError, PolicyIssue, UsageError
 from lifecycle.phases.train import Decision, StepLoop
 
 if TYPE_CHECKING:
@@ -45,8 +45,16 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 _active: Job | None = None
 """The one open Job of this process."""
+BETWEEN = "between_steps"
+"""The span of a trainer's own loop from a boundary to its next step (bounded by ``watchdog.deadlines.eval``)."""
+RESERVED_SPANS = frozenset({"step", "setup", "watch", "save", "commit", "resume", "verify", BETWEEN})
 SUMMARY_WAIT_S = 5.0
 """How long rank 0 waits at close for every rank's exit event before it writes summary.json."""
+FAILED_SUMMARY_WAIT_S = 1.5
+"""The same after a failure (a rank that died writes no exit event: the wait would always run out)."""
+_FAILED: dict[int, tuple[BaseException, int | None, BaseException | None]] = {}
+"""Errors a Job took its failure edge for and passed on to the trainer: (error, exit code, the error as the
+engine explained it), by ``id`` of the error (for :func:`_excepthook`)."""
 
 
 def attach(config_name: str | None = None, config_dir: str | Path | None = None, overrides: Sequence[str] = (),
@@ -69,15 +77,30 @@ def attach(config_name: str | None = None, config_dir: str | Path | None = None,
 
     rank, world, local_rank = _ranks()
     every = [*overrides, *([f"run.dir={run_dir}"] if run_dir is not None else [])]
-    policy = load(every, config_dir=config_dir, config_name=config_name or "config").policy
+    policy = load(every, config_dir=config_dir, config_name=config_name or "config", own_loop=True).policy
     parallel = _adopted_parallel(policy, world)
     path = prepare_rank_dir(policy, rank, world, every, hint="run_dir= or run.id=")
     ctx = build_context(policy, path, rank, world, local_rank, parallel)
     ctx.own_loop = True
+    _warn_fresh_run_dir(policy, rank, run_dir)
     job = Job(ctx)
     _active = job
+    _install_excepthook()
     job._begin()
     return job
+
+
+def _warn_fresh_run_dir(policy: Policy, rank: int, given: str | Path | None) -> None:
+    """A run directory named after ``torchrun --standalone``'s random rendezvous id is new at every launch: running
+    the same command again would not resume. Say so once, with what to pass."""
+    import re
+
+    rid = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    if rank != 0 or given is not None or policy.run.id != rid or not re.fullmatch(r"[0-9a-f-]{32,36}", rid):
+        return
+    log.warning("run directory %s is named after torchrun's random rendezvous id (--standalone): a new one at each "
+                "launch, so running the same command again starts over; pass run_dir=... to attach(), or run.id=... "
+                "(or torchrun --rdzv-id) to resume from the last committed checkpoint", policy.run.dir)
 
 
 def _ranks() -> tuple[int, int, int]:
@@ -154,7 +177,11 @@ class Job:
         self._started = False
         self._steps: Generator[int, None, None] | None = None
         self._dying = False
+        self._failed: BaseException | None = None
+        self._restore_signals: Callable[[], None] | None = None
         self._setup_open = False
+        self._setup_t0 = 0.0
+        self._between: float | None = None
 
     # ---- the public face ---------------------------------------------------------------------------------
     @property
@@ -197,6 +224,15 @@ class Job:
         self._open("steps")
         if isinstance(total, bool) or not isinstance(total, int) or total < 0:
             raise UsageError(f"job.steps(total): total must be an integer >= 0 (got {total!r})")
+        if not self._watched:
+            raise UsageError("job.steps() before job.watch(): lifecycle resumes from the last committed checkpoint and "
+                             "saves at the policy's cadence only for a watched model; call job.watch(model, optimizer) "
+                             "first (job.watch(model, checkpoints=False) when the trainer saves and loads itself)")
+        if self._steps is not None:
+            raise UsageError("job.steps() was called already: one step loop per Job")
+        if total <= self.start_step:
+            log.warning("job.steps(%d): nothing to train, the run is at step %d already (resumed)", total,
+                        self.start_step)
         if not self._run(self._before_first_step):
             return _no_steps()
         self._steps = self.loop.steps(self.ctx, total)
@@ -209,12 +245,31 @@ class Job:
         self._open("step")
         if not self._started:
             self._run(self._before_first_step)
+        self._end_between()
         with self.loop.step(self.ctx, n):
             yield
 
     def report(self, **metrics: float) -> None:
         """Metrics of the running step (``loss``; ``wait_s``: time spent waiting on peers, not compute)."""
         self.loop.report(**metrics)
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """The trainer's own work outside its steps — evaluation, logging, callbacks — as a span named ``name``
+        bounded by ``watchdog.deadlines.eval`` (learned when ``auto``) instead of the step deadline: a long
+        evaluation is no hang, and a hang inside it is named within that deadline. Inside a step or between steps;
+        local (no collective): only the ranks that run it enter it. Its time is not counted as step time."""
+        self._open("phase")
+        if not isinstance(name, str) or not name.isidentifier() or name in RESERVED_SPANS:
+            raise UsageError(f"job.phase(name): name must be a word (letters, digits, _) that is not one of lifecycle's "
+                             f"own spans {sorted(RESERVED_SPANS)} (got {name!r})")
+        t0 = time.monotonic()
+        # Its own group: only this rank's (ranks may run it or not), never counted as an op every rank runs.
+        with self.ctx.events.span(name, deadline="eval", group="trainer", ranks=[self.ctx.rank]):
+            yield
+        took = time.monotonic() - t0
+        self.loop.outside_step_s += took
+        self.ctx.observe("eval", took)
 
     def boundary(self, n: int) -> Decision:
         """After step ``n`` on every rank: the stop flag, barrier points, lifecycle's checkpoint when one is due
@@ -223,9 +278,14 @@ class Job:
         self._open("boundary")
         if not self._started and not self._run(self._before_first_step):
             return Decision(save=False, stop=True)
+        self._end_between()
         self.ctx.step = n
         decision = self._run(lambda: self.loop.boundary(self.ctx, n))
-        return decision if decision is not None else Decision(False, False)
+        decision = decision if decision is not None else Decision(False, False)
+        if not decision.stop:  # what the trainer does until its next step is its own (logging, evaluation)
+            self.ctx.events.emit("begin", BETWEEN, deadline="eval")
+            self._between = time.monotonic()
+        return decision
 
     def save(self, n: int | None = None) -> None:
         """Lifecycle's own checkpoint of the watched model now (two-phase commit). Every rank calls it."""
@@ -235,6 +295,7 @@ class Job:
                              "optimizer) first, or wrap the trainer's own save in job.checkpoint(n, path)")
         if n is not None:
             self.ctx.step = n
+        self._end_between()
         self._run(lambda: self.loop.save_now(self.ctx, "requested"))
 
     @contextmanager
@@ -245,6 +306,7 @@ class Job:
         from lifecycle.checkpoint import TrainerSave
 
         self._open("checkpoint")
+        self._end_between()
         save = TrainerSave(self.ctx, self.machine, n, Path(path) if path is not None else None)
         self._run(save.begin)
         yield save.path
@@ -252,62 +314,82 @@ class Job:
         self.loop.saved_at = n
 
     def close(self) -> int:
-        """The policy's teardown (success path); safe twice. Returns 0; a failed teardown leaves the process
-        with the policy's exit code, as under ``lifecycle run``."""
+        """The policy's teardown (success path); safe twice (the second call returns the first one's code). Returns
+        0; a teardown that fails raises :class:`~lifecycle.errors.JobFailed` carrying the policy's exit code. Groups
+        the trainer made before :func:`attach` are left to it (its own ``destroy_process_group`` follows)."""
         global _active
         if self.closed:
             return self.exit_code or 0
         self.closed = True
+        self._end_setup()
         if self._steps is not None:
             self._steps.close()
         try:
             self.loop.finish(self.ctx, save=self._checkpoints)
-        except BaseException as exc:  # noqa: BLE001 - the failure edge
-            self._die(exc)
+        except BaseException as exc:  # noqa: BLE001 - the failure edge, then to the trainer
+            self._fail_part(exc)
+            raise
         self.exit_code = self.machine.finish()
         self._after()
         _active = None
         if self.exit_code:
-            self._leave(self.exit_code)
+            raise JobFailed(f"lifecycle's teardown failed on rank {self.rank} (exit code {self.exit_code}); see "
+                            f"{self.run_dir}", code=self.exit_code, phase="teardown", rank=self.rank)
         return self.exit_code
 
     def fail(self, exc: BaseException) -> NoReturn:
-        """Take the failure edge for ``exc`` (abort, report) and leave with the policy's exit code."""
-        self._die(exc)
+        """Take the failure edge for ``exc`` (abort, report) and leave the process now with the policy's exit code
+        (no ``finally``, no atexit: for a trainer that must not run on)."""
+        if not self.closed:
+            self._fail_part(exc)
+        self._leave(self.exit_code or 1)
 
     def __enter__(self) -> Job:
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        """No exception, or ``sys.exit(0)`` (a trainer's own clean exit): :meth:`close`. Any other exception: the
-        failure edge, and the process leaves with the policy's exit code."""
+        """No exception, or ``sys.exit(0)`` (a trainer's own clean exit): :meth:`close`. Any other exception:
+        lifecycle's part of the failure edge (report, alarm to the peers, its own groups), then the exception goes
+        on to the trainer (its ``finally`` blocks and atexit run; uncaught, the process leaves with the policy's
+        exit code: :func:`_excepthook`)."""
         if exc is None or (isinstance(exc, SystemExit) and exc.code in (0, None)):
             self.close()
         elif not self.closed:
-            self._die(exc)
+            self._fail_part(exc)
 
     # ---- internals ---------------------------------------------------------------------------------------
     def _begin(self) -> None:
         from lifecycle.launch.worker import install_signals, start_watchdog
 
         if threading.current_thread() is threading.main_thread():
-            install_signals(self.ctx, self.machine)
+            self._restore_signals = install_signals(self.ctx, self.machine, own_loop=True)
         else:
             log.warning("lifecycle.attach() outside the main thread: preemption signals are not handled")
         start_watchdog(self.ctx)
         self._run(self.machine.begin)
-        self.ctx.events.emit("begin", "setup", handler="trainer")  # the trainer's set-up: under the step deadline
+        # The trainer's set-up (model, load_checkpoint, data iterators) up to its first step: under its own deadline,
+        # never the step's.
+        self.ctx.events.emit("begin", "setup", handler="trainer", deadline="setup")
         self._setup_open = True
+        self._setup_t0 = time.monotonic()
 
     def _end_setup(self) -> None:
         if self._setup_open:
             self._setup_open = False
-            self.ctx.events.emit("end", "setup", handler="trainer")
+            self.ctx.events.emit("end", "setup", handler="trainer", deadline="setup",
+                                 dur_us=int((time.monotonic() - self._setup_t0) * 1e6))
+        self._end_between()
+
+    def _end_between(self) -> None:
+        """The trainer's time since the last boundary of its own loop (:meth:`boundary`) ends."""
+        if self._between is not None:
+            t0, self._between = self._between, None
+            self.ctx.events.emit("end", BETWEEN, deadline="eval", dur_us=int((time.monotonic() - t0) * 1e6))
+            self.ctx.observe("eval", time.monotonic() - t0)
 
     def _watch(self, chunks: list[Module], optimizer: object) -> None:
         ctx = self.ctx
-        self._end_setup()
-        with ctx.events.span("watch", chunks=len(chunks)):
+        with ctx.events.span("watch", chunks=len(chunks), deadline="setup"):
             from lifecycle.backends.megatron.watched import WatchedMegatron, is_megatron
             from lifecycle.handlers.watched import WatchedModules
 
@@ -345,52 +427,65 @@ class Job:
         return True
 
     def _guarded(self, steps: Generator[int, None, None]) -> Generator[int, None, None]:
-        """The step loop; an error inside lifecycle's own part of it takes the failure edge."""
+        """The step loop; an error inside lifecycle's own part of it takes the failure edge, then goes on."""
         try:
             yield from steps
         except GeneratorExit:
             raise
         except BaseException as exc:  # noqa: BLE001 - the failure edge
-            self._die(exc)
+            self._fail_part(exc)
+            raise
 
     def _run(self, fn):  # type: ignore[no-untyped-def]
-        """``fn()``; a failure inside the engine takes the failure edge (the process leaves)."""
+        """``fn()``; a failure inside the engine takes the failure edge, then goes on to the trainer."""
         try:
             return fn()
         except BaseException as exc:  # noqa: BLE001 - the failure edge
-            self._die(exc)
+            self._fail_part(exc)
+            raise
 
     def _open(self, what: str) -> None:
+        if self._failed is not None:
+            raise UsageError(f"job.{what}(): this Job failed ({type(self._failed).__name__}) and took its failure "
+                             f"edge; attach again for a new attempt")
         if self.closed:
             raise UsageError(f"job.{what}(): this Job is closed (its teardown ran); attach again for a new run")
 
-    def _die(self, exc: BaseException) -> NoReturn:
+    def _fail_part(self, exc: BaseException) -> None:
+        """Lifecycle's part of the failure edge for ``exc``, once: the step span ends with it, the peers are told,
+        the hang report, lifecycle's own groups and handlers torn down (never the trainer's), the summary. Then the
+        caller raises ``exc`` on to the trainer. A second Ctrl-C cannot cut it short (its hard deadline bounds it)."""
         global _active
-        if self._dying:
-            raise exc
+        if self._failed is not None or self._dying:
+            return
+        self._failed = exc
         self._dying = self.closed = True
-        if self._steps is not None:  # the step span ends with this error
-            try:
-                self._steps.throw(exc)
-            except BaseException:  # noqa: BLE001 - it is the same error
-                pass
-        self.exit_code = self.machine.fail(exc)
-        self._after()
+        with _sigint_ignored():
+            if self._steps is not None:  # the step span ends with this error
+                try:
+                    self._steps.throw(exc)
+                except BaseException:  # noqa: BLE001 - it is the same error
+                    pass
+            self.exit_code = self.machine.fail(exc)
+            self._after(failed=True)
         _active = None
-        self._leave(self.exit_code)
+        _FAILED[id(exc)] = (exc, self.exit_code, self.machine.error)
 
-    def _after(self) -> None:
+    def _after(self, *, failed: bool = False) -> None:
         """Remove the zero-token hooks, stop the watchdog; rank 0 writes summary.json and the timeline (as the local
-        launcher does)."""
+        launcher does; after a failure without the picture: `lifecycle timeline RUN_DIR` draws it)."""
         guard, self._guard = self._guard, None
         if guard is not None:
             guard.remove()
+        restore, self._restore_signals = self._restore_signals, None
+        if restore is not None and threading.current_thread() is threading.main_thread():
+            restore()
         if self.ctx.watchdog is not None:
             self.ctx.watchdog.stop()
         if self.ctx.rank == 0:
             from lifecycle.launch.runner import release_run_dir
 
-            _write_summary(self.ctx)
+            _write_summary(self.ctx, failed=failed)
             release_run_dir(self.ctx.run_dir)
 
     @staticmethod
@@ -403,6 +498,71 @@ class Job:
 
 def _no_steps() -> Generator[int, None, None]:
     yield from ()
+
+
+@contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    """Ctrl-C is ignored while lifecycle's failure edge runs (bounded by teardown's hard deadline): a second Ctrl-C
+    must not leave it half done (no summary, a deep traceback). Main thread only, where Python handles signals."""
+    import signal
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
+def _install_excepthook() -> None:
+    """An exception that leaves the trainer's program uncaught after lifecycle took its failure edge (or that a
+    Job still open never saw: the recipe's explicit-close form) ends the process with the policy's exit code: a
+    lifecycle error as one line, the trainer's own error with its traceback (its bug), then the atexit handlers,
+    then exit. Any other exception goes to the hook that was there before."""
+    previous = sys.excepthook
+    if getattr(previous, "_lifecycle", False):
+        return
+
+    def hook(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+        job = _active
+        if id(exc) not in _FAILED and job is not None and not job.closed:
+            try:
+                job._fail_part(exc)
+            except BaseException:  # noqa: BLE001 - the error being reported is the one that counts
+                pass
+        if id(exc) not in _FAILED and not isinstance(exc, LifecycleError):
+            previous(kind, exc, tb)
+            return
+        failed, code, explained = _FAILED.get(id(exc), (exc, None, exc))
+        shown = explained if isinstance(explained, LifecycleError) else failed
+        if isinstance(shown, LifecycleError):
+            where = f" on rank {shown.rank}" if shown.rank is not None else ""
+            print(f"lifecycle: {type(shown).__name__}{where}: {shown}", file=sys.stderr, flush=True)
+        else:
+            previous(kind, exc, tb)
+        _exit_after_atexit(code if code is not None else _code_of(shown))
+
+    hook._lifecycle = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
+
+
+def _code_of(exc: BaseException) -> int:
+    from lifecycle.errors import exit_code
+
+    return exit_code(exc)
+
+
+def _exit_after_atexit(code: int) -> NoReturn:
+    """Run the atexit handlers (the trainer's logger flushes included), then leave with ``code`` without the
+    interpreter's shutdown, which could wait on threads a dead peer left blocked in a collective."""
+    import atexit
+
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        Job._leave(code)
 
 
 def _zero_token_guard(ctx: RunContext, loop: StepLoop, chunks: list[Module]) -> ZeroTokenGuard | None:
@@ -420,13 +580,14 @@ def _zero_token_guard(ctx: RunContext, loop: StepLoop, chunks: list[Module]) -> 
     return guard
 
 
-def _write_summary(ctx: RunContext) -> None:
-    """Rank 0, after its own exit event: wait (bounded) for every rank's, then summary.json and the timeline."""
+def _write_summary(ctx: RunContext, *, failed: bool = False) -> None:
+    """Rank 0, after its own exit event: wait (bounded) for every rank's, then summary.json and the timeline (not
+    drawn after a failure: the exit code is not held back for a picture)."""
     from lifecycle.launch.runner import _timeline
     from lifecycle.obs import summary
     from lifecycle.obs.events import read_events
 
-    ends = time.monotonic() + SUMMARY_WAIT_S
+    ends = time.monotonic() + (FAILED_SUMMARY_WAIT_S if failed else SUMMARY_WAIT_S)
     while time.monotonic() < ends:
         events = read_events(ctx.run_dir)
         if all(any(e.get("name") == "exit" for e in events.get(r, [])) for r in range(ctx.world_size)):
@@ -435,6 +596,9 @@ def _write_summary(ctx: RunContext) -> None:
     try:
         info = summary.build(ctx.run_dir)
         summary.write(ctx.run_dir, info)
-        _timeline(ctx.run_dir)
+        if failed:
+            print(f"trace    not drawn after a failure: `lifecycle timeline {ctx.run_dir}` draws it", flush=True)
+        else:
+            _timeline(ctx.run_dir)
     except Exception as exc:  # noqa: BLE001 - a report must not fail a finished run
         log.warning("summary not written: %s", exc)

@@ -108,7 +108,8 @@ class InitPhase:
 
         from lifecycle.distributed.barrier import get_store
 
-        adopted = dist.is_initialized()  # the trainer's own group (lifecycle.attach): used as it is
+        adopted = dist.is_initialized()  # the trainer's own group (lifecycle.attach): used as it is, never destroyed
+        ctx.adopted_world = adopted
         backend = str(dist.get_backend()) if adopted else pick_backend(ctx.policy.distributed.backend)
         apply_nccl_env(ctx, adopted=adopted and backend == "nccl")
         kwargs: dict[str, object] = {}
@@ -134,7 +135,8 @@ class InitPhase:
     def _model_parallel(self, ctx: RunContext) -> None:
         ctx.drills.fire("init", op="initialize_model_parallel")
         with ctx.events.span("initialize_model_parallel", group="world"):
-            if not ctx.parallel.is_initialized():
+            ctx.adopted_groups = ctx.parallel.is_initialized()  # the trainer's model-parallel groups: its own
+            if not ctx.adopted_groups:
                 ctx.parallel.initialize(ctx.policy.parallelism, ctx.deadline("init"))
 
     def _check_policy(self, ctx: RunContext) -> None:

@@ -187,6 +187,9 @@ class TeardownPhase:
             handler.close()
 
     def _destroy_model_parallel(self, ctx: RunContext) -> None:
+        if ctx.adopted_groups:
+            log.info("teardown: the model-parallel groups are the trainer's: left to it")
+            return
         ctx.parallel.destroy()
 
     def _destroy_subgroups(self, ctx: RunContext) -> None:
@@ -194,13 +197,13 @@ class TeardownPhase:
 
         if not dist.is_initialized():
             return
-        for pg in _subgroups_newest_first():
+        for pg in _subgroups_newest_first() if not ctx.adopted_world else _own_groups(ctx):
             dist.destroy_process_group(pg)
 
     def _abort(self, ctx: RunContext) -> None:
         import torch.distributed.distributed_c10d as c10d
 
-        if not c10d.is_initialized():
+        if not c10d.is_initialized() or ctx.adopted_world:  # the trainer's communicators are not lifecycle's
             return
         abort = getattr(c10d, "_abort_process_group", None)
         if abort is None:
@@ -213,5 +216,17 @@ class TeardownPhase:
     def _destroy_process_group(self, ctx: RunContext) -> None:
         import torch.distributed as dist
 
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        if not dist.is_initialized():
+            return
+        if ctx.adopted_world:  # only what lifecycle made; the trainer destroys its own groups itself
+            for pg in _own_groups(ctx):
+                dist.destroy_process_group(pg)
+            log.info("teardown: the default process group is the trainer's: left to it")
+            return
+        dist.destroy_process_group()
+
+
+def _own_groups(ctx: RunContext) -> list[ProcessGroup]:
+    """The process groups lifecycle made in a trainer's process (the checkpoint coordination group)."""
+    group, ctx.ckpt_group = ctx.ckpt_group, None
+    return [group] if group is not None else []

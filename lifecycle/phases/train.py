@@ -106,6 +106,8 @@ class StepLoop:
         """Called with the step number as each step begins (the zero-token guard's step)."""
         self._metrics: dict[str, float] = {}
         self._traced = False
+        self.outside_step_s = 0.0
+        """Time of the running step spent in a trainer's own phases (``job.phase``): not step time."""
 
     def start(self, ctx: RunContext, total: int | None) -> None:
         """Before the first step (after any resume): a resumed step counts as saved."""
@@ -125,13 +127,14 @@ class StepLoop:
             hook(step)
         ctx.drills.fire("train", step=step)
         self._metrics = {}
+        self.outside_step_s = 0.0
         t0 = time.monotonic()
         with ctx.events.span("step") as extra, self._first_step_trace(ctx):
             slow = ctx.drills.slow_s(step)
             if slow:
                 time.sleep(slow)  # a `slow` drill: extra compute on this rank (a straggler)
             yield
-            took = time.monotonic() - t0
+            took = max(time.monotonic() - t0 - self.outside_step_s, 0.0)
             compute = max(took - float(self._metrics.get("wait_s", 0.0)), 0.0)
             extra.update(self._metrics, compute_s=round(compute, 6))
         ctx.observe("train", took)
@@ -262,7 +265,7 @@ class TrainPhase:
     @staticmethod
     def plan(policy: Policy, view: GroupView | None = None) -> list[Action]:
         ck, dl = policy.checkpoint, policy.deadline("train")
-        auto = policy.is_auto("train") or policy.is_auto("checkpoint")
+        auto = any(policy.is_auto(p) for p in ("train", "checkpoint", "eval"))
         flag = ck.on_signal or auto
         first = ([Action("stop_flag", "world", dl, "a preemption signal before the first step", when="on_signal")]
                  if ck.on_signal else [])

@@ -33,7 +33,7 @@ from lifecycle.policy.interpolation import check_interpolations
 from lifecycle.policy.overrides import check_overrides, quote_unicode
 from lifecycle.policy.packs import Pack, installed_packs, unusable_pack_for
 from lifecycle.policy.roots import ConfigRoot, config_roots
-from lifecycle.policy.schema import Policy, is_schema_path
+from lifecycle.policy.schema import OWN_LOOP, Policy, is_schema_path
 
 log = logging.getLogger(__name__)
 
@@ -148,15 +148,16 @@ def normalize_overrides(overrides: Sequence[str]) -> list[str]:
     return out
 
 
-def validate(data: dict[str, Any], *, source: str | None = None) -> Policy:
-    """Validate a plain dict; every problem becomes one PolicyIssue."""
+def validate(data: dict[str, Any], *, source: str | None = None, own_loop: bool = False) -> Policy:
+    """Validate a plain dict; every problem becomes one PolicyIssue. ``own_loop``: for ``lifecycle.attach`` (the
+    trainer's model: ``train.options`` is not held against the layout)."""
     targets = list(_find_targets(data, ""))
     if targets:
         raise PolicyError([PolicyIssue(t, "a policy never names code: `_target_` is not allowed; choose a "
                                        "handler by `kind` from the registry", "_target_") for t in targets],
                           source=source)
     try:
-        return Policy.model_validate(data)
+        return Policy.model_validate(data, context={OWN_LOOP: True} if own_loop else None)
     except ValidationError as exc:
         raise from_validation(exc, source) from None
     except PolicyError as exc:
@@ -178,11 +179,11 @@ def _find_targets(node: Any, path: str) -> list[str]:
 
 
 def load(overrides: Sequence[str] = (), *, config_dir: str | Path | None = None,
-         config_name: str = "config") -> Loaded:
-    """Compose and validate a policy."""
+         config_name: str = "config", own_loop: bool = False) -> Loaded:
+    """Compose and validate a policy (``own_loop``: see :func:`validate`)."""
     data, roots = compose(overrides, config_dir=config_dir, config_name=config_name)
     source = f"{roots[0].path}/{config_name}.yaml"
-    policy = validate(data, source=source)
+    policy = validate(data, source=source, own_loop=own_loop)
     return Loaded(policy, data, source, tuple(roots), tuple(overrides), config_name)
 
 

@@ -176,7 +176,7 @@ class TeardownConfig(Section):
     """Process exit codes."""
 
 
-AUTO_CEILING_S: dict[str, float] = {"step": 600.0, "checkpoint": 1200.0}
+AUTO_CEILING_S: dict[str, float] = {"step": 600.0, "checkpoint": 1200.0, "eval": 1800.0}
 """The static deadline of an ``auto`` phase: it applies until calibrated, and caps the adaptive value."""
 
 
@@ -191,6 +191,12 @@ class Deadlines(Section):
     """Seconds for one checkpoint save and its commit; auto: follows the observed checkpoint spans."""
     teardown: Seconds = 30.0
     """Seconds for the teardown collectives (barrier, destroy)."""
+    setup: Seconds = 1800.0
+    """A trainer's own loop (attach): its set-up from attach() to its first step (model build, load_checkpoint, data
+    iterators); no step deadline applies before the first step."""
+    eval: Seconds | Literal["auto"] = 1800.0
+    """A trainer's own loop: its work in job.phase(name) (evaluation, logging, callbacks) and between a boundary and
+    its next job.step(); auto: follows the observed spans."""
 
     def static(self, name: str) -> float:
         """The deadline in seconds, ``auto`` read as its static ceiling."""
@@ -346,9 +352,9 @@ class Policy(Section):
         return data
 
     @model_validator(mode="after")
-    def _cross(self) -> Policy:
+    def _cross(self, info: ValidationInfo) -> Policy:
         # A PolicyError (not a ValueError) passes through pydantic untouched and keeps each key path.
-        issues = cross_field_issues(self)
+        issues = cross_field_issues(self, own_loop=bool(info.context and info.context.get(OWN_LOOP)))
         if issues:
             raise PolicyError(issues)
         return self
@@ -420,8 +426,14 @@ def _aliases(model: type[BaseModel]) -> dict[str, type[BaseModel] | None]:
 
 
 # ---- cross-field rules (the world size is not known here: see lifecycle.policy.checks.world_issues) -----------
-def cross_field_issues(p: Policy) -> list[PolicyIssue]:
-    """Rules that span sections (the world size is not known here: see :func:`world_issues`)."""
+OWN_LOOP = "own_loop"
+"""Validation context key: the policy drives a trainer's own loop (``lifecycle.attach``), whose model is the
+trainer's: no rule about the built-in kind's model (``train.options``) applies."""
+
+
+def cross_field_issues(p: Policy, *, own_loop: bool = False) -> list[PolicyIssue]:
+    """Rules that span sections (the world size is not known here: see :func:`world_issues`). ``own_loop``: the
+    trainer builds its model, so ``train.options`` (the built-in kind's model) is not held against the layout."""
     issues: list[PolicyIssue] = []
     dl = p.watchdog.deadlines
     if p.teardown.deadline_s < dl.teardown:
@@ -432,7 +444,7 @@ def cross_field_issues(p: Policy) -> list[PolicyIssue]:
     if p.warmup.deadline_s is not None and p.warmup.deadline_s > dl.warmup:
         issues.append(PolicyIssue(
             "warmup.deadline_s", f"must be <= watchdog.deadlines.warmup ({dl.warmup})", p.warmup.deadline_s))
-    experts = getattr(p.train.options, "num_experts", None)
+    experts = None if own_loop else getattr(p.train.options, "num_experts", None)
     ep = p.parallelism.ep
     if experts is not None and ep > 1:
         if experts == 0:
@@ -442,8 +454,9 @@ def cross_field_issues(p: Policy) -> list[PolicyIssue]:
             issues.append(PolicyIssue(
                 "parallelism.ep", f"must divide train.options.num_experts ({experts}); pick ep in "
                 f"{divisors(experts)}", ep))
-    issues.extend(_model_shape_issues(p))
-    issues.extend(model_size_issues(p.train.options, p.parallelism, p.train.steps))
+    if not own_loop:
+        issues.extend(_model_shape_issues(p))
+        issues.extend(model_size_issues(p.train.options, p.parallelism, p.train.steps))
     if p.moe.zero_token.action != "off" and experts == 0:
         issues.append(PolicyIssue("moe.zero_token.action", "the model has no experts (train.options."
                                   "num_experts=0); set it to off", p.moe.zero_token.action))

@@ -55,9 +55,10 @@ class Cause(NamedTuple):
                 "dead": {str(r): how for r, how in self.dead.items()}, "hint": self.hint, "t": time.time()}
 
 
-def deadline_passed(tracker: ProgressTracker, deadline_s: float, rank: int, *,
+def deadline_passed(tracker: ProgressTracker, deadline_s: float, rank: int, *, bound: str | None = None,
                     how: str | None = None) -> Cause | None:
-    """No begin/end on this rank for the phase's deadline. No store call. ``how`` says how an adaptive deadline
+    """No begin/end on this rank for the deadline that bounds it (``bound``: its phase's, or its span's own: a
+    trainer's ``setup``/``eval``, a resume's ``checkpoint``). No store call. ``how`` says how an adaptive deadline
     was derived."""
     phase, idle = tracker.phase, tracker.idle_s()
     if idle < deadline_s:
@@ -65,7 +66,7 @@ def deadline_passed(tracker: ProgressTracker, deadline_s: float, rank: int, *,
     op = tracker.current()
     where = f" (at {op.name} on group {op.group}, op #{op.seq} there)" if op else ""
     rule = f" ({how})" if how else ""
-    return Cause("hang", f"rank {rank} made no progress for {idle:.1f}s{where}; the {phase} deadline is "
+    return Cause("hang", f"rank {rank} made no progress for {idle:.1f}s{where}; the {bound or phase} deadline is "
                  f"{deadline_s:.3g}s{rule}", rank, phase)
 
 

@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
-from lifecycle.errors import ExitCode, HangError, PeerLeftAfterHang, StoreUnavailable, culprits
+from lifecycle.errors import ExitCode, HangError, PeerFailed, PeerLeftAfterHang, StoreUnavailable, culprits
 from lifecycle.jsontypes import JsonDict
 from lifecycle.launch import rundir
 from lifecycle.watchdog import causes, diagnosis
@@ -144,7 +144,7 @@ class Watchdog:
         """Until the next poll, or exactly until this rank's deadline passes if that comes first."""
         if self.reported is not None or self.failing:
             return self.cfg.poll_interval_s  # only heartbeats from now on
-        left = self.ctx.deadline(self.progress.phase) - self.progress.idle_s()
+        left = self.ctx.deadline(self.progress.bound()) - self.progress.idle_s()
         return max(min(self.cfg.poll_interval_s, left), 0.01)
 
     def _tick(self) -> None:
@@ -152,9 +152,9 @@ class Watchdog:
         if self.failing or self.reported is not None:
             self._safe(self._publish_and_beat, self._io)
             return
-        phase = self.progress.phase
-        derivation = self.ctx.derivation(phase)
-        cause = (causes.deadline_passed(self.progress, self.ctx.deadline(phase), self.rank,
+        bound = self.progress.bound()
+        derivation = self.ctx.derivation(bound)
+        cause = (causes.deadline_passed(self.progress, self.ctx.deadline(bound), self.rank, bound=bound,
                                         how=derivation.text if derivation is not None else None)
                  or causes.from_marker(self.ctx.run_dir) or self._lost())
         io = self._io
@@ -409,6 +409,10 @@ class Watchdog:
             # rank exits with the hang code like the rest, whichever reached it first.
             return PeerLeftAfterHang(f"{exc} [watchdog: {d.cause} reported by rank {d.origin}; stuck ranks "
                                      f"{d.culprits}]", missing=d.culprits, phase=phase, rank=self.rank)
+        if kind == "peer" and d is not None and d.cause in ("failed", "dead") and d.culprits:
+            first = f"rank {d.culprits[0]}" if len(d.culprits) == 1 else f"ranks {d.culprits}"
+            return PeerFailed(f"{first} failed first ({d.detail[:300]}); this rank's collective broke as a "
+                              f"consequence: {' '.join(str(exc).split())[:200]}", phase=phase, rank=self.rank)
         return exc
 
     def _origin(self, ch: BoundedChannel[SideChannel]) -> Cause | None:

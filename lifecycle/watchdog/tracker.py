@@ -59,13 +59,15 @@ def blocked_in(thread_id: int) -> str | None:
 
 
 class Op(NamedTuple):
-    """One begun span: its name, group label, sequence number on that group, step, member ranks (or None)."""
+    """One begun span: its name, group label, sequence number on that group, step, member ranks (or None), and the
+    deadline that bounds it when not its phase's (the span's ``deadline`` field: ``setup``, ``eval``, ``checkpoint``)."""
 
     name: str
     group: str
     seq: int
     step: int | None
     ranks: list[int] | None
+    bound: str | None = None
 
     def short(self) -> list[Json]:
         return [self.name, self.group, self.seq, self.step]
@@ -124,7 +126,7 @@ class ProgressTracker:
             group = event.get("group") or WORLD
             seq = self.begun[group] + 1
             self.begun[group] = seq
-            op = Op(name, group, seq, self.step, event.get("ranks") or self._ranks(group))
+            op = Op(name, group, seq, self.step, event.get("ranks") or self._ranks(group), event.get("deadline"))
             self.last = op
             if not name.startswith("phase:"):
                 self.open.append(op)
@@ -152,6 +154,13 @@ class ProgressTracker:
     def idle_s(self) -> float:
         """Seconds since the last begin/end on this rank."""
         return time.monotonic() - self.t_progress
+
+    def bound(self) -> str:
+        """The deadline key that bounds this rank now: the innermost open span's own (a trainer's set-up or
+        evaluation, a resume), else its phase's."""
+        with self._lock:
+            inner = self.open[-1] if self.open else None
+            return inner.bound if inner is not None and inner.bound else self.phase
 
     def _op(self) -> Op | None:
         return self.open[-1] if self.open else self.broken

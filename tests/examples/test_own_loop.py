@@ -31,14 +31,20 @@ def _cmd(nproc: int, args: list[str], overrides: list[str]) -> list[str]:
             f"own-{os.getpid()}-{time.monotonic_ns()}", str(EXAMPLE), *args, "--", *overrides]
 
 
-def _env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+def _env(notes: Path | None = None) -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+            **({"LIFECYCLE_EXAMPLE_NOTES": str(notes)} if notes is not None else {})}
 
 
 def _run(tmp_path: Path, args: list[str], *overrides: str, nproc: int = 4,
          timeout: float = 100) -> subprocess.CompletedProcess[str]:
     return subprocess.run(_cmd(nproc, args, [f"run.dir={tmp_path / 'run'}", *overrides]), capture_output=True,
-                          text=True, timeout=timeout, env=_env(), cwd=tmp_path)
+                          text=True, timeout=timeout, env=_env(tmp_path / "notes"), cwd=tmp_path)
+
+
+def _notes(tmp_path: Path, what: str) -> list[int]:
+    """The ranks that left the example's mark ``what`` (its finally, atexit, own SIGTERM handler, own destroy)."""
+    return sorted(int(p.name.rsplit("_", 1)[1]) for p in (tmp_path / "notes").glob(f"{what}.rank_*"))
 
 
 def _exits(run_dir: Path) -> dict[int, int]:
@@ -47,10 +53,19 @@ def _exits(run_dir: Path) -> dict[int, int]:
 
 @pytest.mark.timeout(170)
 def test_the_own_loop_warms_saves_commits_and_a_rerun_resumes(tmp_path: Path) -> None:
+    """Also the shape of Megatron-LM's pretrain(): 5 s of set-up after attach and 6 s of evaluation between steps
+    (job.phase) under a 3 s step deadline are no hang; the trainer destroys its own group after close."""
     run = tmp_path / "run"
-    proc = _run(tmp_path, ["--steps", "4"], "checkpoint.every_steps=2")
+    proc = _run(tmp_path, ["--steps", "4", "--setup-s", "5", "--eval-every", "2", "--eval-s", "6"],
+                "checkpoint.every_steps=2", "watchdog.deadlines.step=3")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert _exits(run) == {0: 0, 1: 0, 2: 0, 3: 0}
+    assert not (run / "hang_report.json").exists() and "HANG" not in proc.stderr
+    assert _notes(tmp_path, "destroyed") == [0, 1, 2, 3]  # lifecycle left the trainer's default group to it
+    evals = [e for e in read_events(run)[2] if e["name"] == "eval" and e["kind"] == "end"]
+    assert [e["step"] for e in evals] == [2, 4] and all(e["dur_us"] > 5e6 for e in evals), evals
+    setup = next(e for e in read_events(run)[0] if e["name"] == "setup" and e["kind"] == "end")
+    assert setup["deadline"] == "setup" and setup["dur_us"] > 5e6
     warmed = {e["group"] for e in read_events(run)[1] if e["name"] == "warm:all_reduce" and e["kind"] == "end"}
     assert {"ep", "edp=intra_edp", "dp", "world"} <= warmed, warmed
     ckpt = run / "checkpoints"
@@ -77,7 +92,7 @@ def test_the_own_loop_warms_saves_commits_and_a_rerun_resumes(tmp_path: Path) ->
 @pytest.mark.timeout(120)
 def test_a_rank_frozen_in_the_trainers_step_is_named_and_every_rank_exits_with_the_hang_code(tmp_path: Path) -> None:
     t0 = time.monotonic()
-    proc = _run(tmp_path, ["--steps", "6", "--freeze", "2:3"], "watchdog.deadlines.step=5")
+    proc = _run(tmp_path, ["--steps", "6", "--freeze", "2:3", "--eval-every", "1"], "watchdog.deadlines.step=5")
     took = time.monotonic() - t0
     run = tmp_path / "run"
     assert proc.returncode != 0, proc.stdout[-2000:]
@@ -92,8 +107,9 @@ def test_a_rank_frozen_in_the_trainers_step_is_named_and_every_rank_exits_with_t
 @pytest.mark.timeout(120)
 def test_sigterm_to_one_rank_saves_on_every_rank_and_exits_0(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    proc = subprocess.Popen(_cmd(4, ["--steps", "40", "--step-sleep", "0.3"], [f"run.dir={run}"]),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), cwd=tmp_path)
+    proc = subprocess.Popen(_cmd(4, ["--steps", "40", "--step-sleep", "0.3", "--own-sigterm"], [f"run.dir={run}"]),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(tmp_path / "notes"),
+                            cwd=tmp_path)
     try:
         target = _wait_for_step(run, rank=1, step=2, deadline_s=80)
         os.kill(target, signal.SIGTERM)
@@ -106,6 +122,7 @@ def test_sigterm_to_one_rank_saves_on_every_rank_and_exits_0(tmp_path: Path) -> 
     assert _exits(run) == {0: 0, 1: 0, 2: 0, 3: 0}
     assert (run / "checkpoints" / "latest").read_text().strip() == f"iter_{stop:07d}"
     assert f"preempted at step {stop}, saved" in out
+    assert _notes(tmp_path, "own_sigterm") == [1]  # the trainer's own handler, chained after lifecycle's
 
 
 def _wait_for_step(run: Path, *, rank: int, step: int, deadline_s: float) -> int:
@@ -164,3 +181,20 @@ def test_a_live_layout_that_is_not_the_policys_fails_on_every_rank_naming_both(t
     err = proc.stderr
     assert err.count("parallelism.ep: the trainer's model-parallel groups have ep=2, the policy 1") == 2, err[-3000:]
     assert "PolicyError" in err
+
+
+@pytest.mark.timeout(120)
+def test_an_error_in_the_trainers_code_goes_to_the_trainer_and_its_peers_leave_in_one_line(tmp_path: Path) -> None:
+    """The recipe's explicit close(): rank 1's own code raises at step 2. lifecycle records it and passes it on (rank
+    1's finally and atexit run, its traceback is the trainer's), rank 0's broken collective is named as the
+    consequence in one line; both leave with the rank-failed code."""
+    proc = _run(tmp_path, ["--steps", "4", "--raise-at", "1:2", "--explicit-close"], "watchdog.deadlines.step=20",
+                nproc=2)
+    run = tmp_path / "run"
+    assert proc.returncode != 0
+    assert _exits(run) == {0: 4, 1: 4}, _exits(run)
+    assert _notes(tmp_path, "finally") == [0, 1] and _notes(tmp_path, "atexit") == [0, 1]
+    err = proc.stderr
+    assert "RuntimeError: the trainer's own code failed at step 2" in err
+    assert "lifecycle: PeerFailed on rank 0: rank 1 failed first (rank 1 raised RuntimeError" in err, err[-4000:]
+    assert "[rank0]: Traceback" not in err and "[rank0]: RuntimeError" not in err  # the innocent rank: no traceback

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import sys
@@ -45,6 +46,8 @@ expect("twice", lambda: lifecycle.attach(overrides=OVR))
 expect("watch_non_module", lambda: job.watch("model"))
 expect("watch_list_of_junk", lambda: job.watch([torch.nn.Linear(2, 2), 3]))
 expect("save_unwatched", lambda: job.save(0))
+expect("steps_before_watch", lambda: job.steps(3))
+expect("phase_reserved_name", lambda: job.phase("step").__enter__())
 torch.manual_seed(0)
 model = torch.nn.Linear(4, 1)
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -74,5 +77,11 @@ try:
         sys.exit(0)
 except SystemExit:
     print("clean exit closed:", job.closed, job.exit_code, flush=True)
-with lifecycle.attach(overrides=OVR) as job:
-    raise ValueError("the trainer's own bug")
+# The trainer's own error goes on to the trainer after lifecycle's part of the failure edge: its `finally` and
+# atexit run, then the process leaves with the policy's code.
+atexit.register(lambda: print("atexit ran", flush=True))
+try:
+    with lifecycle.attach(overrides=OVR) as job:
+        raise ValueError("the trainer's own bug")
+finally:
+    print("finally ran:", job.closed, job.exit_code, flush=True)

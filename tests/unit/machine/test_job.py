@@ -43,6 +43,7 @@ def test_caller_mistakes_are_clear_errors_and_a_closed_job_can_be_attached_again
     assert proc.returncode == 4, proc.stdout[-2000:] + proc.stderr[-4000:]  # the last `with` raised
     lines = proc.stdout.strip().splitlines()
     assert "clean exit closed: True 0" in lines
+    assert "finally ran: True 4" in lines and lines[-1] == "atexit ran"  # the trainer's clean-up ran, then exit 4
     assert "ValueError" in proc.stderr and "the trainer's own bug" in proc.stderr
     out = json.loads(next(line for line in lines if line.startswith("{")))
     no_env = out["no_env"]
@@ -57,6 +58,8 @@ def test_caller_mistakes_are_clear_errors_and_a_closed_job_can_be_attached_again
     assert "this Job is closed" in out["steps_after_close"][1] and "this Job is closed" in out["boundary_after_close"][1]
     assert out["resumed"] == 3 and out["weights_restored"] is True and out["steps_again"] == [4, 5]
     assert out["save_unwatched"][0] == "UsageError" and "no model is watched" in out["save_unwatched"][1]
+    assert "job.steps() before job.watch()" in out["steps_before_watch"][1]
+    assert "not one of lifecycle's own spans" in out["phase_reserved_name"][1]
     latest = (tmp_path / "run" / "checkpoints" / "latest").read_text().strip()
     assert latest == "iter_0000005"
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())  # the failed attempt's, by rank 0

@@ -119,6 +119,26 @@ def test_a_rank_frozen_in_its_own_code_is_the_one_culprit_whatever_its_partners(
     assert diagnosis.diagnose("hang", "x", records, 4, phase="train", now=100.0).culprits == sorted({frozen, partner})
 
 
+def test_the_innermost_span_with_its_own_deadline_bounds_the_rank() -> None:
+    t = ProgressTracker(0)
+    t.on_event(_ev("begin", "setup", "train", deadline="setup"))  # a trainer's set-up after attach
+    assert t.bound() == "setup"
+    t.on_event(_ev("begin", "watch", "train", deadline="setup"))
+    t.on_event(_ev("begin", "resume", "train", deadline="checkpoint"))  # a load, not a step
+    assert t.bound() == "checkpoint"
+    t.on_event(_ev("end", "resume", "train"))
+    t.on_event(_ev("end", "watch", "train"))
+    t.on_event(_ev("end", "setup", "train"))
+    t.on_event(_ev("begin", "step", "train", step=1))
+    assert t.bound() == "train"
+    t.on_event(_ev("begin", "eval", "train", step=1, deadline="eval", group="trainer", ranks=[0]))
+    assert t.bound() == "eval" and t.begun["world"] == 4  # a trainer's phase is not an op every rank runs
+    t.on_event(_ev("begin", "all_reduce", "train", step=1, group="dp"))  # a collective inside it: the phase's
+    assert t.bound() == "train"
+    cause = causes.deadline_passed(t, 0.0, 0, bound="eval")
+    assert cause is not None and "the eval deadline is 0s" in cause.detail
+
+
 def test_the_tracker_says_where_an_idle_training_thread_is_blocked() -> None:
     import torch.distributed as dist
 

@@ -9,7 +9,13 @@ with ``attach`` + ``watch`` + ``for step in job.steps(n)``. Every rank times, pe
   checks, the next step span's begin: drills, events, the zero-token guard's step), plus ``job.report`` and the
   hooks inside the step: the DDP bucket spans (``comm_events``: span begin/end, labels, op counts) and the
   zero-token guard's forward hooks;
+- the training thread's CPU time in the same between-steps gap (``time.thread_time``: preemption by other
+  processes on a loaded machine is not in it);
 - the CPU time of the threads ``attach`` started (the watchdog, its store I/O threads).
+
+Modes: ``overlapped`` (the default policy: the stop flag every step, issued at a boundary and read at the next),
+``at-once`` (``checkpoint.signal_overlap=false``: issued and read at each boundary), ``no-flag``
+(``checkpoint.on_signal=false``: no stop flag), ``plain`` (the default without the wrappers).
 
 Except ``plain``, the workers wrap lifecycle's functions with perf_counter accumulators before ``attach``
 (measurement only, nothing of the product changes) to split that time into its parts; ``plain`` only times the
@@ -41,12 +47,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import attach_overhead  # noqa: E402 - the end-to-end bench and the example's loader
 
-MODES = {
-    "plain": [],
-    "overlapped": [],
-    "at-once": ["checkpoint.signal_overlap=false"],
-    "no-flag": ["checkpoint.on_signal=false"],
-}
+MODES = {"plain": [], "overlapped": [], "at-once": ["checkpoint.signal_overlap=false"],
+         "no-flag": ["checkpoint.on_signal=false"]}
 """Launch modes: the policy overrides on top of the default (stop flag every step, overlapped)."""
 ACC: defaultdict[str, float] = defaultdict(float)
 """Seconds (and counts, keys ending in _n) accumulated by the probes since the last take()."""
@@ -127,14 +129,9 @@ def probe_ddp() -> None:
 
     recorded = pgb._coalescing_manager
     assert getattr(recorded, "_lifecycle", False), "lifecycle's DDP recorder is not installed"
-    _swap_cell(
-        recorded.__wrapped__,
-        "manager",
-        lambda m: lambda *a, **k: TimedCM(lambda: m(*a, **k), "ddp_span_inner", "ddp_span_inner"),
-    )
-    pgb._coalescing_manager = lambda *a, **k: TimedCM(
-        lambda: recorded(*a, **k), "ddp_span_outer", "ddp_span_outer"
-    )
+    _swap_cell(recorded.__wrapped__, "manager",
+               lambda m: lambda *a, **k: TimedCM(lambda: m(*a, **k), "ddp_span_inner", "ddp_span_inner"))
+    pgb._coalescing_manager = lambda *a, **k: TimedCM(lambda: recorded(*a, **k), "ddp_span_outer", "ddp_span_outer")
     for method in ("start_grad_sync", "start_param_sync"):
         named = getattr(pgb._ParamAndGradBucketGroup, method)
         _swap_cell(named, "method", lambda m: timed(m, "ddp_named_inner"))
@@ -183,13 +180,8 @@ def worker(mode: str, steps: int, out: Path, run_dir: str) -> None:
     if mode != "plain":
         probe_lifecycle()
     before = set(threading.enumerate())
-    overrides = [
-        "parallelism.ep=2",
-        f"run.dir={run_dir}",
-        "checkpoint.every_steps=0",
-        "checkpoint.at_end=false",
-        *MODES[mode],
-    ]
+    overrides = ["parallelism.ep=2", f"run.dir={run_dir}", "checkpoint.every_steps=0", "checkpoint.at_end=false",
+                 *MODES[mode]]
     rows: list[dict[str, Any]] = []
     with lifecycle.attach(overrides=overrides) as job:
         threads = [t for t in threading.enumerate() if t not in before]
@@ -199,28 +191,23 @@ def worker(mode: str, steps: int, out: Path, run_dir: str) -> None:
             probe_ddp()
         take()
         cpu0 = cpu_s(threads)
-        t_out = time.perf_counter()
+        t_out, c_out = time.perf_counter(), time.thread_time()
         for step in job.steps(steps):
-            t_in = time.perf_counter()
+            t_in, c_in = time.perf_counter(), time.thread_time()
             if rows:
-                rows[-1].update(between=t_in - t_out, b=take())
+                rows[-1].update(between=t_in - t_out, between_cpu=c_in - c_out, b=take())
             else:
                 first = {"gap": t_in - t_out, "b": take()}
             loss = ex.train_step(model, optimizer, step)
             t_mid = time.perf_counter()
             job.report(loss=loss)
-            t_out = time.perf_counter()
-            rows.append(
-                {"step": step, "t_in": t_in, "body": t_mid - t_in, "report": t_out - t_mid, "i": take()}
-            )
-        rows[-1].update(between=time.perf_counter() - t_out, b=take())
+            t_out, c_out = time.perf_counter(), time.thread_time()
+            rows.append({"step": step, "t_in": t_in, "body": t_mid - t_in, "report": t_out - t_mid, "i": take()})
+        rows[-1].update(between=time.perf_counter() - t_out, between_cpu=time.thread_time() - c_out, b=take())
         cpu = cpu_s(threads) - cpu0
     names = sorted({t.name for t in threads})
-    out.joinpath(f"rank_{dist.get_rank()}.json").write_text(
-        json.dumps(
-            {"rows": rows, "first": first, "threads": names, "thread_cpu_s": cpu, "probe_s": probe_cost()}
-        )
-    )
+    out.joinpath(f"rank_{dist.get_rank()}.json").write_text(json.dumps(
+        {"rows": rows, "first": first, "threads": names, "thread_cpu_s": cpu, "probe_s": probe_cost()}))
     dist.destroy_process_group()
 
 
@@ -231,18 +218,13 @@ def pct(values: list[float], q: float) -> float:
 
 def inside(i: dict[str, float]) -> float:
     """Lifecycle's time inside the trainer's step: DDP wrapper overhead and the zero-token guard's hooks."""
-    return (
-        i.get("ddp_span_outer", 0)
-        - i.get("ddp_span_inner", 0)
-        + i.get("ddp_named_outer", 0)
-        - i.get("ddp_named_inner", 0)
-        + i.get("zero_token", 0)
-    )
+    return (i.get("ddp_span_outer", 0) - i.get("ddp_span_inner", 0) + i.get("ddp_named_outer", 0)
+            - i.get("ddp_named_inner", 0) + i.get("zero_token", 0))
 
 
 def summarize(ranks: list[dict[str, Any]], steps: int) -> dict[str, Any]:
     us = 1e6
-    steady, first, last, trainer, interval, gap, in_step = [], [], [], [], [], [], []
+    steady, first, last, trainer, interval, gap, gap_cpu, in_step = [], [], [], [], [], [], [], []
     by_rank: list[float] = []
     parts: defaultdict[str, list[float]] = defaultdict(list)
     counts: defaultdict[str, list[float]] = defaultdict(list)
@@ -258,6 +240,7 @@ def summarize(ranks: list[dict[str, Any]], steps: int) -> dict[str, Any]:
                 continue
             trainer.append(r["body"] - inside(r["i"]))
             gap.append(r["between"] + r["report"])
+            gap_cpu.append(r["between_cpu"])
             in_step.append(inside(r["i"]))
             interval.append(rows[k + 1]["t_in"] - r["t_in"])
             b, i = r["b"], r["i"]
@@ -270,9 +253,7 @@ def summarize(ranks: list[dict[str, Any]], steps: int) -> dict[str, Any]:
             parts["emit"].append(b.get("emit", 0) + i.get("emit", 0))
             counts["events"].append(b.get("emit_n", 0) + i.get("emit_n", 0))
             counts["ddp_spans"].append(i.get("ddp_span_outer_n", 0))
-            parts["rest"].append(
-                r["between"] - b.get("step_exit", 0) - b.get("boundary", 0) - b.get("step_enter", 0)
-            )
+            parts["rest"].append(r["between"] - b.get("step_exit", 0) - b.get("boundary", 0) - b.get("step_enter", 0))
         by_rank.append(statistics.median(steady[mine:]))
     med_interval = statistics.median(interval)
     own = {"p50": pct(steady, 50), "p99": pct(steady, 99), "max": max(steady)}
@@ -285,6 +266,7 @@ def summarize(ranks: list[dict[str, Any]], steps: int) -> dict[str, Any]:
         "own_mean_us": round(statistics.fmean(steady) * us, 1),
         "own_p50_by_rank_us": [round(v * us, 1) for v in by_rank],
         "between_steps_p50_us": round(statistics.median(gap) * us, 1),
+        "between_steps_cpu_p50_us": round(statistics.median(gap_cpu) * us, 1),
         "in_step_p50_us": round(statistics.median(in_step) * us, 1),
         "step1_us_max": round(max(first) * us),
         "last_step_us_max": round(max(last) * us),
@@ -298,26 +280,10 @@ def summarize(ranks: list[dict[str, Any]], steps: int) -> dict[str, Any]:
 
 def launch(mode: str, world: int, steps: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            str(world),
-            __file__,
-            "--worker",
-            mode,
-            "--steps",
-            str(steps),
-            "--out",
-            tmp,
-            "--run-dir",
-            f"{tmp}/run",
-        ]
-        proc = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
-        )
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
+               __file__, "--worker", mode, "--steps", str(steps), "--out", tmp, "--run-dir", f"{tmp}/run"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
         if proc.returncode != 0:
             raise SystemExit(f"{mode} at world {world} failed:\n{proc.stderr[-3000:]}")
         ranks = [json.loads(p.read_text()) for p in sorted(Path(tmp).glob("rank_*.json"))]
@@ -333,12 +299,10 @@ def ratio(world: int, steps: int, rounds: int) -> dict[str, Any]:
             runs[mode].append(attach_overhead.launch(mode, world, steps))
     med = {m: statistics.median(v) for m, v in runs.items()}
     per_round = [b / a for b, a in zip(runs["bare"], runs["adopted"], strict=True)]
-    return {
-        "runs_ms": {m: [round(x * 1e3, 2) for x in v] for m, v in runs.items()},
-        "bare_over_adopted_medians": round(med["bare"] / med["adopted"], 3),
-        "bare_over_adopted_minima": round(min(runs["bare"]) / min(runs["adopted"]), 3),
-        "per_round": [round(x, 3) for x in per_round],
-    }
+    return {"runs_ms": {m: [round(x * 1e3, 2) for x in v] for m, v in runs.items()},
+            "bare_over_adopted_medians": round(med["bare"] / med["adopted"], 3),
+            "bare_over_adopted_minima": round(min(runs["bare"]) / min(runs["adopted"]), 3),
+            "per_round": [round(x, 3) for x in per_round]}
 
 
 def main() -> None:
@@ -368,6 +332,20 @@ def main() -> None:
             results[f"world {world} ratio"] = row
             print(f"world {world} ratio: " + json.dumps(row), flush=True)
     print(json.dumps(results))
+    table(results)
+
+
+def table(results: dict[str, Any]) -> None:
+    print("| world, mode | trainer step ms | lifecycle per step p50 / p99 / max us | % of step p50 / p99 | "
+          "between steps p50 wall / CPU us | in step p50 us | step 1 us | attach's threads CPU us/step |")
+    for name, r in results.items():
+        if name.endswith("ratio"):
+            continue
+        o, f = r["own_us"], r["own_pct_of_step"]
+        print(f"| {name} | {r['trainer_step_ms']} | {o['p50']:.0f} / {o['p99']:.0f} / {o['max']:.0f} | "
+              f"{f['p50']:.2f} / {f['p99']:.2f} | {r['between_steps_p50_us']:.0f} / "
+              f"{r['between_steps_cpu_p50_us']:.0f} | {r['in_step_p50_us']:.0f} | {r['step1_us_max']} | "
+              f"{r['thread_cpu_us_per_step']:.0f} |")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,10 @@ from typing import Any
 from lifecycle import safeio
 
 
+_ENCODE = json.JSONEncoder(default=str).encode
+"""One encoder for every event: ``json.dumps(..., default=str)`` builds a new one per call (on the training thread)."""
+
+
 def now_us() -> int:
     return time.time_ns() // 1000
 
@@ -61,7 +65,7 @@ class EventLog:
         event.update({k: v for k, v in fields.items() if v is not None})
         for listener in self.listeners:
             listener(event)
-        line = json.dumps(event, default=str)
+        line = _ENCODE(event)
         with self._lock:
             self._buf.append(line)
             if len(self._buf) >= self._flush_every:

@@ -23,7 +23,6 @@ from typing import Any
 
 from lifecycle import safeio
 
-
 _ENCODE = json.JSONEncoder(default=str).encode
 """One encoder for every event: ``json.dumps(..., default=str)`` builds a new one per call (on the training thread)."""
 

@@ -16,7 +16,7 @@ import pytest
 from tests.helpers import ROOT, install_team_pack, run_cli
 
 OLD_MSG = ("pack old (old-acme-pack 0.3.0): unusable pack (it ships preset/future.yaml, which this policy asks "
-           "for): targets lifecycle policy schema version 2, but this lifecycle (0.1.0) reads schema version 1")
+           "for): targets lifecycle policy schema version 2, but this lifecycle (0.2.0) reads schema version 1")
 
 
 @pytest.fixture(scope="module")

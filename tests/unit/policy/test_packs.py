@@ -70,7 +70,7 @@ def test_usable_pack_is_searched_after_builtins_and_selectable(make_pack: MakePa
 
 
 @pytest.mark.parametrize(("init", "expected"), [
-    ("LIFECYCLE_SCHEMA_VERSION = 7\n", "targets lifecycle policy schema version 7, but this lifecycle (0.1.0) "
+    ("LIFECYCLE_SCHEMA_VERSION = 7\n", "targets lifecycle policy schema version 7, but this lifecycle (0.2.0) "
                                        "reads schema version 1"),
     ("", "declares no schema version; add `LIFECYCLE_SCHEMA_VERSION = 1` to"),
     ("LIFECYCLE_SCHEMA_VERSION = '1'\n", "LIFECYCLE_SCHEMA_VERSION must be an int, got '1'"),

@@ -1,7 +1,8 @@
 # The two commands of the README. Each creates the environment when it is missing and re-installs it when the
 # lock changes.
 #   make run          the main job (the embedded default policy)
-#   make test         lint, type check and the whole test suite
+#   make test         lint, type check and the test suite (soaks and scale runs left out: make test-slow)
+#   make test-slow    the soaks and scale runs (a 1000-step soak, world-8 layouts)
 # Upgrades, on purpose:
 #   make lock         re-resolve requirements/lock.txt from pyproject.toml (newest versions its ranges allow)
 #   make test-latest  the same checks in a separate .venv-latest with the newest versions, not the lock
@@ -15,7 +16,7 @@ LATEST := .venv-latest
 TORCH  := torch==2.13.0
 PIP    := -q --disable-pip-version-check
 
-.PHONY: run test env lint lock test-latest clean
+.PHONY: run test test-slow env lint lock test-latest clean
 
 env: $(STAMP)
 
@@ -37,7 +38,10 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy lifecycle
 
 test: lint
-	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q -p no:randomly --durations=15
+	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q -p no:randomly -m "not slow" --durations=15
+
+test-slow: $(STAMP)
+	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q -p no:randomly -m slow --durations=15
 
 lock: $(STAMP)
 	CUSTOM_COMPILE_COMMAND="make lock" $(VENV)/bin/pip-compile -q --upgrade --generate-hashes --allow-unsafe --strip-extras --extra dev \
@@ -55,7 +59,7 @@ test-latest:
 	$(LATEST)/bin/python -m tests.lockfile $(LOCK) $(LATEST)/versions.txt
 	$(LATEST)/bin/ruff check
 	$(LATEST)/bin/mypy lifecycle
-	OMP_NUM_THREADS=1 $(LATEST)/bin/pytest -q -p no:randomly --durations=15
+	OMP_NUM_THREADS=1 $(LATEST)/bin/pytest -q -p no:randomly -m "not slow" --durations=15
 
 clean:
 	rm -rf $(VENV) $(LATEST) runs

@@ -28,6 +28,7 @@ def _events(run_dir: Path, rank: int) -> list[dict]:  # type: ignore[type-arg]
             if line.strip()]
 
 
+@pytest.mark.slow  # a soak: make test-slow
 @pytest.mark.timeout(170)
 def test_a_1000_step_soak_with_auto_deadlines_raises_no_false_alarm(tmp_path: Path) -> None:
     ck = tmp_path / "ck"

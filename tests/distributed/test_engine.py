@@ -32,7 +32,7 @@ def _shared_order_agrees(events: dict[int, list[dict]]) -> None:  # type: ignore
     (2, ["parallelism.tp=2", "parallelism.ep=1"]),
     (4, ["parallelism.tp=2", "parallelism.ep=2", "parallelism.etp=1"]),
     (4, ["parallelism.ep=2", "parallelism.dist_opt_instances=2"]),
-    (8, ["parallelism.tp=2", "parallelism.pp=2", "parallelism.ep=2"]),
+    pytest.param(8, ["parallelism.tp=2", "parallelism.pp=2", "parallelism.ep=2"], marks=pytest.mark.slow),  # scale
 ])
 def test_every_group_warmed_once_in_the_same_order(tmp_path: Path, nproc: int, layout: list[str]) -> None:
     run = lifecycle_run(tmp_path, nproc, "train.steps=0", ALL_OPS, *layout, *FAST)

@@ -46,7 +46,12 @@ _LIVE_FACTS: dict[tuple[int, tuple[tuple[str, Any], ...]], Callable[[list[dict[s
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("world,sizes", LAYOUTS, ids=["tp2-pp2-ep2", "tp2-ep2-etp1", "tp-pp-dp-order-2-instances"])
+@pytest.mark.parametrize("world,sizes", [
+    # world 8 tp2-pp2-ep2: a scale run (make test-slow); tests/distributed/test_engine.py warms it too
+    pytest.param(*LAYOUTS[0], id="tp2-pp2-ep2", marks=pytest.mark.slow),
+    pytest.param(*LAYOUTS[1], id="tp2-ep2-etp1"),
+    pytest.param(*LAYOUTS[2], id="tp-pp-dp-order-2-instances"),
+])
 def test_explain_layout_equals_real_groups(world: int, sizes: dict[str, int]) -> None:
     real = _check(world, sizes)
     overrides = [f"parallelism.{k}={v}" for k, v in sizes.items()]

@@ -1,4 +1,4 @@
-"""The `lifecycle` command: validate | explain | schema | policies | diff | run | timeline.
+"""The `lifecycle` command: validate | explain | schema | policies | diff | run | timeline | verdict.
 
 User errors (bad policy, overrides, files, world size) print ``key.path: message (got VALUE)`` lines
 and exit 2 — never a traceback; values are cut to ~200 characters and errors to a bounded number of
@@ -104,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--oversubscribe", action="store_true",
                    help="start --nproc ranks even above what this machine runs (see --nproc)")
     _policy_args(p)
+    p = sub.add_parser("verdict", help="the exit code a run's ranks ended with, as a scheduler should act on it "
+                       "(torchrun exits 1 for any failed worker): prints one line, exits with that code")
+    p.add_argument("run_dir", help="the run directory")
     p = sub.add_parser("timeline", help="merge a run's per-rank events into a Chrome/Perfetto trace and a PNG")
     p.add_argument("run_dir", help="the run directory")
     p.add_argument("--out", "-o", help="trace file (default RUN_DIR/trace.json; .json.gz compresses)")
@@ -186,6 +189,20 @@ def _run(args: argparse.Namespace) -> int:
                oversubscribe=args.oversubscribe)
 
 
+def _verdict(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from lifecycle.errors import RunDirError
+    from lifecycle.obs import summary
+
+    run_dir = Path(args.run_dir)
+    if not (run_dir / "events").is_dir():
+        raise RunDirError(f"{run_dir}: no events/ folder: not a lifecycle run directory", path=str(run_dir))
+    code, line = summary.verdict(summary.build(run_dir))
+    print(f"lifecycle: run {run_dir}: {line}", flush=True)
+    return code
+
+
 def _timeline(args: argparse.Namespace) -> int:
     from lifecycle.obs.timeline import main as timeline_main
 
@@ -193,7 +210,7 @@ def _timeline(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"validate": _validate, "explain": _explain, "schema": _schema, "policies": _policies, "diff": _diff,
-            "run": _run, "timeline": _timeline}
+            "run": _run, "timeline": _timeline, "verdict": _verdict}
 
 
 def _cut(line: str) -> str:

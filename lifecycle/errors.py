@@ -22,6 +22,49 @@ class ExitCode:
     NO_PROGRESS = 6  # attempts in a row failed without committing a newer checkpoint: not restarting
 
 
+@dataclass(frozen=True)
+class ExitRule:
+    """One exit code and what a scheduler should do with it (the one table: docs/running.md, the sbatch and Kubernetes
+    examples and their tests read it)."""
+
+    code: str
+    meaning: str
+    then: str
+    """``done``, ``restart`` (requeue / restart the pod), or ``stop`` (a restart would repeat it)."""
+    advice: str
+
+
+EXIT_RULES = (
+    ExitRule("0", "success; also a graceful stop after a preemption signal (the save committed)", "done",
+             "nothing to do; a preempted run resumes when started again"),
+    ExitRule("2", "bad policy, override, command line, environment, checkpoint or run-directory input (every error "
+             "named: `key.path: message (got VALUE)`, the file, the port)", "stop", "fix the input; a restart repeats it"),
+    ExitRule("3", "a hang detected by the watchdog, a collective sequence that diverged or a peer that stopped "
+             "answering", "restart", "restart from the last commit; exclude the node the report names when it repeats"),
+    ExitRule("4", "a rank failed: it raised or died (a rank killed by a signal counts)", "restart",
+             "restart from the last commit; read the rank's log"),
+    ExitRule("5", "teardown hit its hard deadline and the process exited by force (the work is committed)",
+             "restart", "restart; the exit hung, not the training"),
+    ExitRule("6", "not restarting: `restart.max_no_progress` attempts in a row failed without committing a newer "
+             "checkpoint", "stop", "fix the cause, then run again with `restart.max_no_progress=0`"),
+    ExitRule("128+N", "killed by signal N before a clean stop (137: SIGKILL, 143: SIGTERM without the save "
+             "landing)", "restart", "restart from the last commit"),
+)
+"""Every exit code of a run, in one table. Codes 3-6 can be changed in ``teardown.exit_codes``."""
+
+
+def exit_codes_markdown() -> str:
+    """The table of :data:`EXIT_RULES` as docs/running.md shows it (a test keeps them equal)."""
+    rows = ["| code | meaning | a scheduler should | what to do |", "|---|---|---|---|"]
+    rows += [f"| {r.code} | {r.meaning} | {r.then} | {r.advice} |" for r in EXIT_RULES]
+    return "\n".join(rows) + "\n"
+
+
+def codes_that(then: str) -> list[int]:
+    """The numeric exit codes a scheduler should ``then`` (``done``, ``restart``, ``stop``)."""
+    return [int(r.code) for r in EXIT_RULES if r.then == then and r.code.isdigit()]
+
+
 class LifecycleError(Exception):
     """Base class. Attributes say where it happened; ``exit_code`` says how the process ends (:func:`exit_code`)."""
 

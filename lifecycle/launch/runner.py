@@ -75,10 +75,13 @@ def preflight(policy: Policy, world_size: int, ranks_per_node: int | None = None
     the local launcher's ranks; else torchrun's ``LOCAL_WORLD_SIZE``, else 8."""
     from lifecycle.launch import preflight as checks
     from lifecycle.policy.checks import world_issues
+    from lifecycle.policy.timeouts import issues as timeout_issues
 
     issues = world_issues(policy, world_size)
     if not issues:
         issues = _layout_issues(policy, world_size)
+    if not issues:
+        issues = timeout_issues(policy, last_save_s=_last_save_s(Path(policy.run.dir)))
     if issues:
         raise PolicyError(issues, source=f"world size {world_size}")
     local = os.environ.get("LOCAL_WORLD_SIZE", "")
@@ -86,6 +89,22 @@ def preflight(policy: Policy, world_size: int, ranks_per_node: int | None = None
     checks.check_comm_budget(policy, world_size, per_node)
     ck = policy.checkpoint  # the folders themselves were checked when the run directory was taken (own_run_dir)
     checks.check_resume(ck.dir, ck.resume, ck.on_corrupt)
+
+
+def _last_save_s(run_dir: Path) -> float | None:
+    """How long the run's last committed save took (save + commit, its summary.json), if the run has one."""
+    from lifecycle import safeio
+
+    summary = safeio.try_json(run_dir / "summary.json")
+    saves = summary.get("checkpoints") if isinstance(summary, dict) else None
+    done = [c for c in saves if isinstance(c, dict) and c.get("committed")] if isinstance(saves, list) else []
+    if not done:
+        return None
+    last = done[-1]
+    try:
+        return float(last.get("save_s") or 0.0) + float(last.get("commit_s_max") or last.get("commit_s") or 0.0)
+    except (TypeError, ValueError):
+        return None
 
 
 def _layout_issues(policy: Policy, world_size: int) -> list[PolicyIssue]:

@@ -21,6 +21,7 @@ from lifecycle.policy.checks import world_issues
 from lifecycle.policy.load import Loaded, sha256
 from lifecycle.policy.provenance import Origin, provenance
 from lifecycle.policy.provenance import render as render_sources
+from lifecycle.policy.timeouts import chain as timeout_chain
 
 LISTED_RANKS = 65536
 """Groups up to this size are listed rank by rank in the layout (JSON ``groups``); larger ones as text."""
@@ -114,6 +115,7 @@ def explain(loaded: Loaded, world_size: int | None, rank: int, ranks_per_node: i
     out["plan"] = plan.as_dict()
     out["sources"] = {k: o.as_dict() for k, o in provenance(loaded).items()}
     out["nccl_env"] = loaded.policy.distributed.effective_nccl_env()
+    out["timeouts"] = [vars(link) for link in timeout_chain(loaded.policy)]
     return out
 
 
@@ -155,6 +157,11 @@ def render(info: JsonDict) -> str:
         if cm.get("unused_by_job"):
             lines.append(f"  never used by the job's collectives: {', '.join(cm['unused_by_job'])}: "
                          f"{cm['unused_bytes'] / 2**20:.1f} MiB (warmup.groups: used does not create them)")
+    if info.get("timeouts"):
+        lines += ["", "timeouts (every clock that bounds the job; validate refuses orderings that cannot work)"]
+        for t in info["timeouts"]:
+            secs = f"{t['seconds']:g}s" if t["seconds"] is not None else "-"
+            lines.append(f"  {t['name']:<22} {secs:>8}  {t['source']}: {t['bounds']}")
     for phase, actions in info["plan"].items():
         lines += ["", f"{phase}" + ("  (nothing to do)" if not actions else "")]
         for i, a in enumerate(actions, 1):

@@ -358,6 +358,23 @@ def blame(run_dir: Path, s: dict[str, Any]) -> dict[str, Any] | None:
     return None
 
 
+def verdict(s: dict[str, Any], *, rank_failed: int = 4) -> tuple[int, str]:
+    """The run's exit code and one line, from its ranks' exit events alone (torchrun exits 1 for any failed worker:
+    this is the code a scheduler should act on, :data:`lifecycle.errors.EXIT_RULES`). The blamed ranks' code first;
+    a rank that left no exit event (killed) counts as failed."""
+    codes = {int(r): c for r, c in (s.get("exit_code_per_rank") or {}).items()}
+    if not codes:
+        return 2, "no rank of this run left an event: not a lifecycle run directory, or it never started"
+    failed = {r: (c if isinstance(c, int) else rank_failed) for r, c in codes.items() if c != 0}
+    if not failed:
+        return 0, f"all {len(codes)} ranks exited 0"
+    b = s.get("blame") or {}
+    blamed = [r for r in b.get("ranks") or [] if r in failed]
+    rank = blamed[0] if blamed else min(failed)
+    why = f" ({b.get('cause')} in phase {b.get('phase')})" if b.get("cause") else ""
+    return failed[rank], f"exit {failed[rank]}: rank {rank}{why}; ranks not exiting 0: {sorted(failed)}"
+
+
 def write(run_dir: Path, summary: dict[str, Any]) -> Path:
     path = Path(run_dir) / SUMMARY
     safeio.write_text(path, json.dumps(summary, indent=1, default=str))  # a FIFO there: refused, never opened

@@ -12,6 +12,7 @@ from lifecycle.errors import NoProgress, PhaseError, PolicyError
 from lifecycle.phases.base import Action, GroupView, barrier_actions, sequence_check
 from lifecycle.phases.points import run_points
 from lifecycle.policy.checks import world_issues
+from lifecycle.policy.timeouts import adopted_issue, collective_timeout_s
 
 if TYPE_CHECKING:
     from torch.distributed import Store
@@ -70,6 +71,25 @@ def apply_nccl_env(ctx: RunContext, *, adopted: bool) -> dict[str, str]:
     return env
 
 
+def _check_adopted_timeout(ctx: RunContext) -> None:
+    """A trainer's own default group whose timeout would end a collective before the watchdog names the culprit:
+    said once (rank 0), with what to change; the trainer's group is its own to configure."""
+    import torch
+    import torch.distributed.distributed_c10d as c10d
+
+    if ctx.rank != 0:
+        return
+    try:
+        device = torch.device("cuda") if str(c10d.get_backend()) == "nccl" else torch.device("cpu")
+        seconds = c10d._get_default_group()._get_backend(device).options._timeout.total_seconds()
+    except (AttributeError, RuntimeError, ValueError):  # another torch: nothing to compare
+        return
+    why = adopted_issue(ctx.policy, float(seconds))
+    if why is not None:
+        log.warning("timeouts: %s", why)
+        ctx.events.instant("timeout_chain", warning=why)
+
+
 class InitPhase:
     phase = "init"
 
@@ -125,19 +145,22 @@ class InitPhase:
         ctx.drills.fire("init", op="init_process_group")
         with ctx.events.span("init_process_group", group="world", backend=backend, adopted=adopted or None):
             if not adopted:
-                timeout = datetime.timedelta(seconds=ctx.deadline("init"))
+                # Longer than every watchdog deadline: the watchdog names the culprit before torch's own timeout.
+                timeout = datetime.timedelta(seconds=collective_timeout_s(ctx.policy, own_loop=ctx.own_loop))
                 restarted = in_process_store(ctx) or restart_store(timeout)
                 if restarted is not None:
                     kwargs["store"] = restarted
                 dist.init_process_group(backend, timeout=timeout, rank=ctx.rank, world_size=ctx.world_size, **kwargs)
         ctx.store = get_store()
+        if adopted:
+            _check_adopted_timeout(ctx)
 
     def _model_parallel(self, ctx: RunContext) -> None:
         ctx.drills.fire("init", op="initialize_model_parallel")
         with ctx.events.span("initialize_model_parallel", group="world"):
             ctx.adopted_groups = ctx.parallel.is_initialized()  # the trainer's model-parallel groups: its own
             if not ctx.adopted_groups:
-                ctx.parallel.initialize(ctx.policy.parallelism, ctx.deadline("init"))
+                ctx.parallel.initialize(ctx.policy.parallelism, collective_timeout_s(ctx.policy, own_loop=ctx.own_loop))
 
     def _check_policy(self, ctx: RunContext) -> None:
         """All-gather every rank's policy sha256 and attempt number on the default group; a policy that differs is

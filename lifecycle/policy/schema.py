@@ -30,6 +30,7 @@ from lifecycle.policy.sections import (
     WarmupConfig,
     check_group_name,
 )
+from lifecycle.policy.timeouts import issues as timeout_issues
 from lifecycle.policy.versions import SCHEMA_VERSION
 
 TeardownStep = Literal[
@@ -104,6 +105,10 @@ class CheckpointConfig(Section):
     grace_s: Seconds = 120.0
     """Time from a preemption signal to exit, save included: the local launcher waits this long (plus
     teardown.deadline_s) for its ranks after a SIGTERM or Ctrl-C before it kills them."""
+    signal_lead_s: Seconds | None = None
+    """How long the scheduler waits from its signal to its kill (SLURM --signal=B:TERM@lead, Kubernetes
+    terminationGracePeriodSeconds); null: LIFECYCLE_SIGNAL_LEAD_S, else unknown. It must cover grace_s +
+    teardown.deadline_s (validate refuses less)."""
     signal_check_every: PositiveInt = 1
     """Agree on a preemption stop every n train steps (one world all-reduce; also at every periodic-save step):
     n > 1 saves that all-reduce on the other steps, and a signal then waits up to n-1 more steps before the save."""
@@ -461,6 +466,7 @@ def cross_field_issues(p: Policy, *, own_loop: bool = False) -> list[PolicyIssue
         issues.append(PolicyIssue("moe.zero_token.action", "the model has no experts (train.options."
                                   "num_experts=0); set it to off", p.moe.zero_token.action))
     issues.extend(_fault_issues(p))
+    issues.extend(timeout_issues(p))
     if p.restart.max_restarts and p.checkpoint.resume == "never":
         issues.append(PolicyIssue("restart.max_restarts", "a restart resumes from the last committed checkpoint, "
                                   "which checkpoint.resume=never forbids; set checkpoint.resume=auto or no restarts",

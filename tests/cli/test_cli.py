@@ -159,3 +159,20 @@ def test_a_communicator_budget_below_the_estimate_stops_the_run_before_any_rank_
     proc = run_cli("run", "--nproc", "4", f"run.dir={run_dir}", "distributed.comm_memory_budget_gib=0.0001")
     assert proc.returncode == 2 and "rank 0's gloo communicators would take 0.00" in proc.stderr, proc.stderr
     assert "shrink with warmup.groups: used" in proc.stderr and not (run_dir / "events").exists()
+
+
+def test_verdict_exits_with_the_code_the_ranks_ended_with(tmp_path: Path) -> None:
+    """What a scheduler acts on under torchrun (which exits 1 for any failed worker)."""
+    events = tmp_path / "run" / "events"
+    events.mkdir(parents=True)
+    for rank, code in ((0, 0), (1, 4)):
+        lines = [{"t": 1, "rank": rank, "phase": "train", "kind": "instant", "name": "attempt", "attempt": 1},
+                 {"t": 2, "rank": rank, "phase": "teardown", "kind": "instant", "name": "exit", "exit_code": code}]
+        (events / f"rank_{rank}.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lines))
+    proc = run_cli("verdict", str(tmp_path / "run"))
+    assert proc.returncode == 4 and "exit 4: rank 1" in proc.stdout, proc.stdout + proc.stderr
+    (events / "rank_1.jsonl").write_text((events / "rank_0.jsonl").read_text().replace('"rank": 0', '"rank": 1'))
+    proc = run_cli("verdict", str(tmp_path / "run"))
+    assert proc.returncode == 0 and "all 2 ranks exited 0" in proc.stdout
+    proc = run_cli("verdict", str(tmp_path))
+    assert proc.returncode == 2 and "not a lifecycle run directory" in proc.stderr and "Traceback" not in proc.stderr

@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from lifecycle import checkpoint
@@ -32,7 +33,11 @@ def test_init_creates_the_group_the_store_and_the_layout_and_checks_the_policy(m
     ctx = _init(make_ctx())
     assert dist.is_initialized() and dist.get_world_size() == 1 and ctx.store is not None
     assert isinstance(ctx.parallel, RecordingParallel)
-    assert ctx.parallel.calls == ["load", "initialize tp=1 pp=1 ep=1 timeout=20"]
+    # the groups' timeout outlasts every watchdog deadline (20 s here) plus the time to report: the watchdog names
+    # the culprit before torch's own timeout
+    assert ctx.parallel.calls == ["load", "initialize tp=1 pp=1 ep=1 timeout=54"]
+    backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+    assert backend.options._timeout.total_seconds() == 54 and not ctx.adopted_world
     assert ctx.op_counts["world"] == 1  # the policy-hash all_gather
     assert names(ctx) == ["import:backend", "init_process_group", "initialize_model_parallel", "check_policy_hash"]
 

@@ -1,0 +1,72 @@
+"""The timeout chain (lifecycle.policy.timeouts): derived where lifecycle sets the clocks, refused where they come
+from outside and cannot work (the orderings of torchtitan#2899: a collective timeout that fires before the watchdog
+names the culprit, a scheduler signal lead shorter than the save and exit it must cover)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lifecycle.errors import PolicyError
+from lifecycle.policy import timeouts
+from lifecycle.policy.load import validate
+
+SECONDS = st.floats(min_value=1.0, max_value=100_000.0, allow_nan=False)
+
+
+@settings(max_examples=60, deadline=None)
+@given(init=SECONDS, warmup=SECONDS, step=SECONDS, checkpoint=SECONDS, poll=st.floats(0.05, 30.0))
+def test_the_collective_timeout_outlasts_every_watchdog_deadline(init: float, warmup: float, step: float,
+                                                                 checkpoint: float, poll: float) -> None:
+    p = validate({"watchdog": {"poll_interval_s": poll, "deadlines": {
+        "init": init, "warmup": warmup, "step": step, "checkpoint": checkpoint}}, "checkpoint": {"grace_s": 1e6}})
+    t = timeouts.collective_timeout_s(p)
+    assert all(t >= p.watchdog.deadlines.static(n) + 30 for n in timeouts.WATCHED)
+    own = timeouts.collective_timeout_s(p, own_loop=True)
+    assert own >= t and own > p.watchdog.deadlines.static("eval")
+    assert timeouts.adopted_issue(p, own) is None and timeouts.adopted_issue(p, step - 1.0) is not None
+
+
+def test_a_scheduler_lead_shorter_than_the_save_and_exit_is_refused_naming_the_keys(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(PolicyError, match=r"checkpoint.signal_lead_s: the scheduler kills the job 90s after its "
+                                          r"signal \(checkpoint.signal_lead_s\), but a preemption needs up to "
+                                          r"checkpoint.grace_s \+ teardown.deadline_s = 120 \+ 60 = 180s"):
+        validate({"checkpoint": {"signal_lead_s": 90}})
+    validate({"checkpoint": {"signal_lead_s": 90, "grace_s": 20}, "teardown": {"deadline_s": 40}})  # 60 <= 90
+    validate({"checkpoint": {"signal_lead_s": 90, "on_signal": False}})  # no preemption save to cover
+    monkeypatch.setenv(timeouts.ENV_SIGNAL_LEAD, "120")  # SLURM --signal=B:TERM@120, from the sbatch script
+    with pytest.raises(PolicyError, match=r"checkpoint.grace_s: the scheduler kills the job 120s after its signal "
+                                          r"\(LIFECYCLE_SIGNAL_LEAD_S\).*--signal=B:TERM@210"):
+        validate({})
+
+
+def test_a_grace_shorter_than_the_runs_last_save_is_refused_before_launch(tmp_path: Path) -> None:
+    from lifecycle.launch.runner import preflight
+
+    run = tmp_path / "run"
+    run.mkdir()
+    policy = validate({"run": {"dir": str(run)}, "train": {"kind": "synthetic", "options": None},
+                       "parallelism": {"ep": 1}, "moe": {"zero_token": {"action": "off"}},
+                       "checkpoint": {"grace_s": 30}})
+    preflight(policy, 2)  # no save known yet
+    (run / "summary.json").write_text(json.dumps({"checkpoints": [
+        {"step": 10, "committed": True, "save_s": 40.0, "commit_s": 5.0, "commit_s_max": 9.0}]}))
+    with pytest.raises(PolicyError, match=r"checkpoint.grace_s: is shorter than this run's last save took \(49.0s"):
+        preflight(policy, 2)
+
+
+def test_explain_prints_the_chain() -> None:
+    from lifecycle.machine.explain import explain, render
+    from lifecycle.policy.load import load
+
+    info = explain(load(["checkpoint.signal_lead_s=600"]), None, 0)
+    names = [t["name"] for t in info["timeouts"]]
+    assert names.index("deadline step") < names.index("collective timeout") < names.index("scheduler signal lead")
+    text = render(info)
+    assert "collective timeout" in text and re.search(r"scheduler signal lead +600s  checkpoint.signal_lead_s", text)

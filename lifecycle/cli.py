@@ -198,8 +198,13 @@ def _verdict(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     if not (run_dir / "events").is_dir():
         raise RunDirError(f"{run_dir}: no events/ folder: not a lifecycle run directory", path=str(run_dir))
-    code, line = summary.verdict(summary.build(run_dir))
-    print(f"lifecycle: run {run_dir}: {line}", flush=True)
+    from lifecycle.obs import exclusions
+
+    info = summary.build(run_dir)
+    code, line = summary.verdict(info)
+    hosts = exclusions.record(run_dir, info) if code else []
+    print(f"lifecycle: run {run_dir}: {line}" + (f"; hosts to exclude: {run_dir / exclusions.HOSTLIST}"
+                                                  if hosts else ""), flush=True)
     return code
 
 

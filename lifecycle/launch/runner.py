@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lifecycle.distributed.ranks import fmt_ranks
-from lifecycle.errors import ExitCode, PolicyError, PolicyIssue, UsageError
+from lifecycle.errors import ExitCode, PolicyError, PolicyIssue, RunDirError, UsageError
 from lifecycle.jsontypes import JsonDict
 
 if TYPE_CHECKING:
@@ -242,6 +242,8 @@ def _attempt(policy: Policy, nproc: int, run_dir: Path, overrides: Sequence[str]
         # signal stays in the outcome line and the summary).
         result = dataclasses.replace(result, exit_code=policy.teardown.exit_codes.rank_failed)
     info = summary.build(run_dir, result)
+    if result.exit_code:
+        _exclude(run_dir, info)
     # The last attempt, in place too; never an earlier one (ranks killed before they wrote an event name none).
     restarts.record_end(run_dir, max(int(info.get("attempt") or 0), attempt), int(result.exit_code))
     try:
@@ -252,6 +254,16 @@ def _attempt(policy: Policy, nproc: int, run_dir: Path, overrides: Sequence[str]
     print(summary.render(info), flush=True)
     _timeline(run_dir)
     return int(result.exit_code), info, result.stopped_by is not None, attempt
+
+
+def _exclude(run_dir: Path, info: JsonDict) -> None:
+    """The hosts the attempt's verdict blames, into the run's exclusion list (a report must not fail the run)."""
+    from lifecycle.obs import exclusions
+
+    try:
+        exclusions.record(run_dir, info)
+    except (OSError, RunDirError) as exc:
+        print(f"lifecycle: exclusion list not written ({exc})", file=sys.stderr, flush=True)
 
 
 END_OF_JOB_TIMELINE_BYTES = 32 << 20

@@ -286,6 +286,7 @@ def build(run_dir: Path, launch: Any | None = None) -> dict[str, Any]:
     summary: dict[str, Any] = {
         "run_dir": str(run_dir),
         "ranks": len(status),
+        "hosts": {r: evs[0].get("host") for r, evs in events.items() if evs and evs[0].get("host")},
         "phases": phase_times(spans),
         "warmup_per_group": warm,
         "warmup_s_per_group": {g: w["max_s"] for g, w in warm.items()},

@@ -297,6 +297,9 @@ class TrainerSave:
                 if path.is_dir():
                     _learned(ctx, path, sha256)
                 _commit_folder(path, self.step, sha256, _layout(ctx))
+                from lifecycle.launch.restarts import record_checkpoint_dir
+
+                record_checkpoint_dir(ctx.run_dir, path.parent)
             with ctx.events.span("barrier:ckpt_committed", group="world", via="store"):
                 store_barrier(ctx.require_store(), f"{key}/committed", ctx.rank, _all_ranks(ctx), self.deadline,
                               phase="checkpoint", group="world")

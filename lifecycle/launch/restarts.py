@@ -120,13 +120,38 @@ def refusal(run_dir: Path, now_step: int | None, sha256: str, limit: int) -> str
 def verdict(run_dir: Path, policy: Policy, sha256: str) -> tuple[str | None, int | None]:
     """The line the next attempt of ``policy`` refuses to start with (or None), and the tracker's step it starts
     from: what the local launcher asks before it starts ranks and rank 0 asks at init."""
-    step = tracker_step(policy.checkpoint.dir)
+    step = tracker_step(checkpoint_dir(run_dir, policy.checkpoint.dir))
     return refusal(run_dir, step, sha256, policy.restart.max_no_progress), step
 
 
-def tracker_step(checkpoint_dir: str | Path) -> int | None:
+TRAINER_CHECKPOINTS = "trainer_checkpoints"
+"""``<run_dir>/trainer_checkpoints``: the folder of a trainer's own commits (``job.checkpoint(n, path)`` commits its
+``iter_NNNNNNN`` folders and trackers there, not in ``checkpoint.dir``): progress is read from its trackers."""
+
+
+def record_checkpoint_dir(run_dir: Path, folder: Path) -> None:
+    """Rank 0, at a trainer's commit: where this run's commits and trackers are (see :data:`TRAINER_CHECKPOINTS`)."""
+    path = Path(run_dir) / TRAINER_CHECKPOINTS
+    text = str(Path(folder).resolve()) + "\n"
+    try:
+        if safeio.read_text(path, limit=4096) != text:
+            safeio.write_text(path, text)
+    except (OSError, safeio.RunDirError):  # a note for the next attempt's verdict: never a reason to fail a commit
+        pass
+
+
+def checkpoint_dir(run_dir: Path, policy_dir: str | Path) -> Path:
+    """Where the run's committed checkpoints are: a trainer's own folder when it commits there, else the policy's."""
+    try:
+        text = safeio.read_text(Path(run_dir) / TRAINER_CHECKPOINTS, limit=4096)
+    except safeio.RunDirError:
+        text = None
+    return Path(text.strip()) if text and text.strip() else Path(policy_dir)
+
+
+def tracker_step(folder: str | Path) -> int | None:
     """The step the checkpoint tracker names now, or None (no checkpoint, or a tracker that cannot be used)."""
     from lifecycle.checkpoint import ckptdir
 
-    tracker = ckptdir.read_tracker(Path(checkpoint_dir))
+    tracker = ckptdir.read_tracker(Path(folder))
     return ckptdir.step_of(tracker.name) if tracker.name else None

@@ -68,6 +68,7 @@ def attach(config_name: str | None = None, config_dir: str | Path | None = None,
     Otherwise both are created from the policy and the launcher's environment (torchrun, srun).
     """
     global _active
+    _install_excepthook()  # an error of attach itself, uncaught, is one line and its exit code too
     if _active is not None and not _active.closed:
         raise UsageError("lifecycle.attach() was called twice in this process: use the Job it returned (close() it "
                          "before attaching again)")
@@ -85,7 +86,6 @@ def attach(config_name: str | None = None, config_dir: str | Path | None = None,
     _warn_fresh_run_dir(policy, rank, run_dir)
     job = Job(ctx)
     _active = job
-    _install_excepthook()
     job._begin()
     return job
 
@@ -283,8 +283,7 @@ class Job:
         decision = self._run(lambda: self.loop.boundary(self.ctx, n))
         decision = decision if decision is not None else Decision(False, False)
         if not decision.stop:  # what the trainer does until its next step is its own (logging, evaluation)
-            self.ctx.events.emit("begin", BETWEEN, deadline="eval")
-            self._between = time.monotonic()
+            self._begin_between()
         return decision
 
     def save(self, n: int | None = None) -> None:
@@ -295,8 +294,10 @@ class Job:
                              "optimizer) first, or wrap the trainer's own save in job.checkpoint(n, path)")
         if n is not None:
             self.ctx.step = n
-        self._end_between()
+        between = self._end_between()
         self._run(lambda: self.loop.save_now(self.ctx, "requested"))
+        if between:
+            self._begin_between()
 
     @contextmanager
     def checkpoint(self, n: int, path: str | Path | None = None) -> Iterator[Path | None]:
@@ -306,12 +307,14 @@ class Job:
         from lifecycle.checkpoint import TrainerSave
 
         self._open("checkpoint")
-        self._end_between()
+        between = self._end_between()
         save = TrainerSave(self.ctx, self.machine, n, Path(path) if path is not None else None)
         self._run(save.begin)
         yield save.path
         self._run(save.commit)
         self.loop.saved_at = n
+        if between:  # back to the trainer's own time until its next step
+            self._begin_between()
 
     def close(self) -> int:
         """The policy's teardown (success path); safe twice (the second call returns the first one's code). Returns
@@ -380,12 +383,20 @@ class Job:
                                  dur_us=int((time.monotonic() - self._setup_t0) * 1e6))
         self._end_between()
 
-    def _end_between(self) -> None:
-        """The trainer's time since the last boundary of its own loop (:meth:`boundary`) ends."""
-        if self._between is not None:
-            t0, self._between = self._between, None
-            self.ctx.events.emit("end", BETWEEN, deadline="eval", dur_us=int((time.monotonic() - t0) * 1e6))
-            self.ctx.observe("eval", time.monotonic() - t0)
+    def _end_between(self) -> bool:
+        """The trainer's time since the last boundary of its own loop (:meth:`boundary`) ends; whether it ran."""
+        if self._between is None:
+            return False
+        t0, self._between = self._between, None
+        self.ctx.events.emit("end", BETWEEN, deadline="eval", dur_us=int((time.monotonic() - t0) * 1e6))
+        self.ctx.observe("eval", time.monotonic() - t0)
+        return True
+
+    def _begin_between(self) -> None:
+        """The trainer's own time until its next step (after a boundary, or a save between two steps): under
+        ``watchdog.deadlines.eval``, never the step deadline."""
+        self.ctx.events.emit("begin", BETWEEN, deadline="eval")
+        self._between = time.monotonic()
 
     def _watch(self, chunks: list[Module], optimizer: object) -> None:
         ctx = self.ctx

@@ -53,3 +53,22 @@ def test_the_ledger_tolerates_junk_and_hostile_files(tmp_path: Path) -> None:
     os.mkfifo(fifo / restarts.LEDGER)  # a FIFO: no history, never a hang, and recording does not fail
     assert restarts.read(fifo) == [] and restarts.refusal(fifo, None, "h", 1) is None
     restarts.record_end(fifo, 1, 4)
+
+
+def test_progress_is_read_where_a_trainer_commits_its_own_checkpoints(tmp_path: Path) -> None:
+    """job.checkpoint(n, path) commits the trainer's folders and trackers outside checkpoint.dir: the next attempt's
+    verdict reads them there, not the empty checkpoint.dir (which would count every attempt as no progress)."""
+    from lifecycle.checkpoint import ckptdir
+    from lifecycle.policy.load import validate
+
+    run, own = tmp_path / "run", tmp_path / "save"
+    run.mkdir()
+    own.mkdir()
+    policy = validate({"run": {"dir": str(run)}, "restart": {"max_no_progress": 2}})
+    for attempt, step in ((1, 10), (2, 10)):  # both started from step 10, and failed
+        restarts.record_start(run, attempt, step, "sha")
+        restarts.record_end(run, attempt, 4)
+    ckptdir.write_tracker(own, 20)
+    assert restarts.verdict(run, policy, "sha")[0] is not None  # checkpoint.dir alone: no progress seen
+    restarts.record_checkpoint_dir(run, own)
+    assert restarts.verdict(run, policy, "sha") == (None, 20)

@@ -34,6 +34,7 @@ from lifecycle.policy.overrides import check_overrides, quote_unicode
 from lifecycle.policy.packs import Pack, installed_packs, unusable_pack_for
 from lifecycle.policy.roots import ConfigRoot, config_roots
 from lifecycle.policy.schema import OWN_LOOP, Policy, is_schema_path
+from lifecycle.policy.timeouts import issues as timeout_issues
 
 log = logging.getLogger(__name__)
 
@@ -157,11 +158,15 @@ def validate(data: dict[str, Any], *, source: str | None = None, own_loop: bool 
                                        "handler by `kind` from the registry", "_target_") for t in targets],
                           source=source)
     try:
-        return Policy.model_validate(data, context={OWN_LOOP: True} if own_loop else None)
+        policy = Policy.model_validate(data, context={OWN_LOOP: True} if own_loop else None)
     except ValidationError as exc:
         raise from_validation(exc, source) from None
     except PolicyError as exc:
         raise PolicyError(exc.issues, source=source) from None
+    chain = timeout_issues(policy)  # the timeout chain reads the built policy (its layer sits above the schema)
+    if chain:
+        raise PolicyError(chain, source=source)
+    return policy
 
 
 def _find_targets(node: Any, path: str) -> list[str]:

@@ -30,7 +30,6 @@ from lifecycle.policy.sections import (
     WarmupConfig,
     check_group_name,
 )
-from lifecycle.policy.timeouts import issues as timeout_issues
 from lifecycle.policy.versions import SCHEMA_VERSION
 
 TeardownStep = Literal[
@@ -466,7 +465,6 @@ def cross_field_issues(p: Policy, *, own_loop: bool = False) -> list[PolicyIssue
         issues.append(PolicyIssue("moe.zero_token.action", "the model has no experts (train.options."
                                   "num_experts=0); set it to off", p.moe.zero_token.action))
     issues.extend(_fault_issues(p))
-    issues.extend(timeout_issues(p))
     if p.restart.max_restarts and p.checkpoint.resume == "never":
         issues.append(PolicyIssue("restart.max_restarts", "a restart resumes from the last committed checkpoint, "
                                   "which checkpoint.resume=never forbids; set checkpoint.resume=auto or no restarts",

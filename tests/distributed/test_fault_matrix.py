@@ -71,7 +71,9 @@ def _assert_exits(run: Run, phase: str, fault: str, culprit: int) -> None:
         if fault == "crash" and rank == culprit:
             continue
         assert "killed" not in status[str(rank)]["how"], status
-        last = max(e["t"] for e in evs if e["name"] in ("exit", "teardown_deadline")) / 1e6
+        ends = [e["t"] for e in evs if e["name"] in ("exit", "teardown_deadline")]
+        assert ends, (rank, status, evs[-6:], run.log(rank)[-3000:])  # how it left, when it did not say
+        last = max(ends) / 1e6
         if fault != "signal":
             assert last - fired < deadline + SLACK, (rank, last - fired)
 

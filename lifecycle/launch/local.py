@@ -27,12 +27,13 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from lifecycle.launch import preload as preload_mod
 from lifecycle.launch import rundir
 from lifecycle.launch.parent import ENV_LAUNCHER_PID
 from lifecycle.launch.signals import SignalTrap, torch_leaves_our_signals
@@ -75,7 +76,7 @@ class LaunchResult:
 
 def launch_local(argv: list[str], nproc: int, run_dir: Path, *, env: dict[str, str] | None = None,
                  kill_grace_s: float = 3.0, preempt_grace_s: float = 3.0, poll_s: float = 0.1,
-                 console_ranks: Iterable[int] = (0,)) -> LaunchResult:
+                 console_ranks: Iterable[int] = (0,), preload: Sequence[str] | None = None) -> LaunchResult:
     """Run ``argv`` as ranks 0..nproc-1 on this machine and return when every rank has ended.
 
     On the first rank that ends non-zero, writes ``run_dir/.shutdown``, SIGTERMs (and SIGCONTs) the others
@@ -85,6 +86,9 @@ def launch_local(argv: list[str], nproc: int, run_dir: Path, *, env: dict[str, s
     every rank is SIGKILLed at once. No rank process, nor anything left in a rank's process group, survives the
     call, nor the launcher: each rank is told to die with it (``LIFECYCLE_LAUNCHER_PID``, see
     :func:`die_with_launcher`).
+
+    ``preload``: modules to import once in a process the ranks are forked from (``argv`` must be ``python -m
+    MODULE ...``; see :mod:`lifecycle.launch.preload`); ``None`` starts every rank by ``exec``.
     """
     if nproc < 1 or not argv or poll_s <= 0 or kill_grace_s < 0 or preempt_grace_s < 0:
         raise ValueError(f"launch_local: need argv, nproc >= 1, poll_s > 0, kill_grace_s >= 0, preempt_grace_s >= 0 "
@@ -93,9 +97,17 @@ def launch_local(argv: list[str], nproc: int, run_dir: Path, *, env: dict[str, s
     run_dir = Path(run_dir).resolve()
     logs = _prepare(run_dir, nproc)
     start = time.monotonic()
+    zygote = _zygote(argv, run_dir, preload, env)
     store = _host_store()
     envs = {r: _rank_env(r, nproc, int(store.port), run_dir, env) for r in range(nproc)}
     console = set(console_ranks)
+    if zygote is not None:
+        why = zygote.wait_ready(preload_mod.READY_S)
+        if why is None:
+            return _launch_forked(zygote, argv, envs, logs, console, run_dir, kill_grace_s, preempt_grace_s,
+                                  poll_s, start, store)
+        print(f"lifecycle: the ranks' preload process did not start ({why}); starting each rank by itself",
+              file=sys.stderr, flush=True)
     from torch.distributed.elastic.multiprocessing import start_processes
 
     with SignalTrap() as trap:
@@ -118,10 +130,48 @@ def launch_local(argv: list[str], nproc: int, run_dir: Path, *, env: dict[str, s
             del store  # the store server lives exactly as long as the ranks
 
 
+def _zygote(argv: list[str], run_dir: Path, preload: Sequence[str] | None,
+            env: dict[str, str] | None) -> preload_mod.Zygote | None:
+    if preload is None or argv[1:2] != ["-m"] or not preload_mod.enabled({**os.environ, **(env or {})}):
+        return None
+    common = dict(env or {})
+    for name in ("OMP_NUM_THREADS", "PYTHONUNBUFFERED"):
+        common.setdefault(name, os.environ.get(name, "1"))
+    return preload_mod.Zygote(run_dir, preload, common, ENV_LAUNCHER_PID)
+
+
+def _launch_forked(zygote: preload_mod.Zygote, argv: list[str], envs: dict[int, dict[str, str]],
+                   logs: dict[int, Path], console: set[int], run_dir: Path, kill_grace_s: float,
+                   preempt_grace_s: float, poll_s: float, start: float, store: Any) -> LaunchResult:
+    """:func:`launch_local` with ranks forked from the preload process (the same monitoring and shutdown)."""
+    from torch.distributed.elastic.multiprocessing.tail_log import TailLog
+
+    tail = TailLog("lifecycle", {r: str(logs[r]) for r in sorted(console) if r in logs}, sys.stdout,
+                   dict.fromkeys(console, ""))
+    job: _Job | None = None
+    with SignalTrap() as trap:
+        try:
+            procs: dict[int, Any] = {}
+            for r, rank_env in envs.items():
+                full = {**os.environ, **rank_env,
+                        "TORCHELASTIC_ERROR_FILE": str(rundir.error_file(run_dir, r))}
+                procs[r] = zygote.fork(r, argv, full, logs[r])
+            tail.start()
+            trap.arm()
+            job = _Job(procs, trap, poll_s)
+            return job.run(run_dir, kill_grace_s, preempt_grace_s, start)
+        finally:
+            if job is not None:
+                job.kill_all()
+            zygote.close(kill=job is None)
+            tail.stop()
+            del store  # the store server lives exactly as long as the ranks
+
+
 class _Job:
     """The monitored rank processes of one launch."""
 
-    def __init__(self, procs: dict[int, subprocess.Popen[Any]], trap: SignalTrap, poll_s: float) -> None:
+    def __init__(self, procs: dict[int, Any], trap: SignalTrap, poll_s: float) -> None:
         self.procs, self.trap, self.poll_s = procs, trap, poll_s
         self.codes: dict[int, int] = {}
         self.killed: list[int] = []
@@ -208,7 +258,7 @@ class _Job:
 class _ExitWatch:
     """Wakes up as soon as a rank process ends (Linux pidfds); without pidfds, every ``timeout_s``."""
 
-    def __init__(self, procs: dict[int, subprocess.Popen[Any]]) -> None:
+    def __init__(self, procs: dict[int, Any]) -> None:
         self._all = list(procs)
         self._fds: dict[int, int] = {}
         self._poller: Any = select.poll()

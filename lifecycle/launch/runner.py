@@ -236,7 +236,8 @@ def _attempt(policy: Policy, nproc: int, run_dir: Path, overrides: Sequence[str]
     print(f"lifecycle: {again}{nproc} ranks, run directory {run_dir}", flush=True)
     result = launch_local([sys.executable, "-m", "lifecycle.launch.worker", str(run_dir)], nproc, run_dir,
                           env={rundir.ENV_ATTEMPT: str(attempt), ENV_RESTARTS_LEFT: str(restarts_left)},
-                          preempt_grace_s=policy.checkpoint.grace_s + policy.teardown.deadline_s)
+                          preempt_grace_s=policy.checkpoint.grace_s + policy.teardown.deadline_s,
+                          preload=_preload(policy))
     if result.first_failure is not None and result.per_rank.get(result.first_failure, 0) < 0:
         # A rank killed by a signal (kill -9, the OOM killer) died: the policy's code for that, not 128+N (the
         # signal stays in the outcome line and the summary).
@@ -254,6 +255,15 @@ def _attempt(policy: Policy, nproc: int, run_dir: Path, overrides: Sequence[str]
     print(summary.render(info), flush=True)
     _timeline(run_dir)
     return int(result.exit_code), info, result.stopped_by is not None, attempt
+
+
+def _preload(policy: Policy) -> tuple[str, ...]:
+    """What the ranks import before they fork from one process (megatron-core when the train kind's groups are
+    Megatron's), see :mod:`lifecycle.launch.preload`."""
+    from lifecycle.handlers import registry
+    from lifecycle.launch import preload
+
+    return preload.modules_for(registry.get("train", policy.train.kind).groups != "torch")
 
 
 def _exclude(run_dir: Path, info: JsonDict) -> None:

@@ -31,17 +31,12 @@ ARGS = [*SYNTHETIC, "parallelism.tp=2", "train.steps=2000", "checkpoint.every_st
 
 
 def _rank_pid(run_dir: Path, rank: int) -> int | None:
-    import psutil
-
-    for p in psutil.process_iter(["pid", "environ"]):
-        try:
-            env = p.info["environ"] or {}
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-        if env.get("RANK") == str(rank) and str(run_dir) in env.get("LIFECYCLE_RUN_DIR", "") + " ".join(
-                p.cmdline()):
-            return int(p.info["pid"])
-    return None
+    """The rank's process as an operator finds it: its ``attempt`` event names its pid (ranks forked from the
+    preload process share its command line and initial environment)."""
+    events = run_dir / "events" / f"rank_{rank}.jsonl"
+    pids = [json.loads(line).get("pid") for line in events.read_text().splitlines()
+            if '"name": "attempt"' in line] if events.is_file() else []
+    return int(pids[-1]) if pids and pids[-1] else None
 
 
 def _left_behind(run_dir: Path) -> list[int]:

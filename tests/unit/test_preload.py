@@ -1,0 +1,45 @@
+"""The preload process ranks are forked from (lifecycle.launch.preload): a real process, real forks."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from lifecycle.launch import preload
+from lifecycle.launch.parent import ENV_LAUNCHER_PID
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _zygote(tmp_path: Path, modules: tuple[str, ...] = ("json",)) -> preload.Zygote:
+    return preload.Zygote(tmp_path, modules, {"PYTHONUNBUFFERED": "1"}, ENV_LAUNCHER_PID)
+
+
+def test_a_forked_module_runs_as_main_with_its_own_log_argv_environment_and_exit_code(tmp_path: Path) -> None:
+    z = _zygote(tmp_path)
+    try:
+        assert z.wait_ready(30) is None
+        missing = tmp_path / "missing.json"
+        ok = z.fork(0, ["python", "-m", "json.tool", "--help"], {**os.environ, "MARK": "0"}, tmp_path / "r0.log")
+        bad = z.fork(1, ["python", "-m", "json.tool", str(missing)], dict(os.environ), tmp_path / "r1.log")
+        assert ok.wait(30) == 0 and bad.wait(30) != 0
+        assert ok.pid != bad.pid and ok.poll() == 0
+        assert "usage:" in (tmp_path / "r0.log").read_text()
+        assert "missing.json" in (tmp_path / "r1.log").read_text()  # stderr goes to the rank's log too
+    finally:
+        z.close()
+    assert z.proc.returncode == 0  # it left once its ranks had
+
+
+def test_a_module_that_does_not_import_is_a_reason_not_a_hang(tmp_path: Path) -> None:
+    z = _zygote(tmp_path, ("json", "no_such_module_for_lifecycle"))
+    why = z.wait_ready(30)
+    assert why is not None and "no_such_module_for_lifecycle" in why
+    assert z.proc.poll() is not None
+
+
+def test_only_python_dash_m_is_forked_and_the_switch_turns_it_off() -> None:
+    assert preload.enabled({}) and not preload.enabled({preload.ENV_PRELOAD: "0"})
+    assert "megatron.core" in preload.modules_for(True) and "megatron.core" not in preload.modules_for(False)

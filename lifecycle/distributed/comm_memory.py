@@ -141,12 +141,17 @@ def rank_bill(layout: Layout, rank: int, ranks_per_node: int, settings: Settings
 def backend_of(policy: Policy) -> str:
     """The backend the run will use: ``distributed.backend``, and for ``auto`` nccl where this machine has an NVIDIA
     driver (what ``torch.cuda.is_available()`` answers on the ranks, read without importing torch), else gloo."""
-    import os
-
     chosen = str(policy.distributed.backend)
     if chosen != "auto":
         return chosen
-    return "nccl" if os.path.exists("/dev/nvidiactl") or os.path.exists("/proc/driver/nvidia/version") else "gloo"
+    return "nccl" if has_nvidia_driver() else "gloo"
+
+
+def has_nvidia_driver() -> bool:
+    """Whether this machine has an NVIDIA driver (read without importing torch)."""
+    import os
+
+    return os.path.exists("/dev/nvidiactl") or os.path.exists("/proc/driver/nvidia/version")
 
 
 def policy_bill(policy: Policy, layout: Layout, rank: int, ranks_per_node: int) -> Bill:

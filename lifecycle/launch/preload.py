@@ -16,7 +16,8 @@ rank is a :class:`Forked` handle with the ``pid``/``poll``/``wait`` it used on a
 
 Protocol (one line each): launcher -> preload: a JSON request ``{"rank", "log", "env", "argv"}``; preload ->
 launcher: ``ready``, ``pid RANK PID``, ``exit PID CODE`` (negative: killed by that signal), ``error TEXT``.
-``LIFECYCLE_PRELOAD=0`` turns it off (every rank is then started by ``exec`` as before); a preload process that does
+Only on machines without an NVIDIA driver (gloo on CPUs): an import may touch CUDA, and a CUDA context does not
+survive a fork, so GPU ranks start by ``exec`` as before. ``LIFECYCLE_PRELOAD=0`` turns it off (every rank is then started by ``exec`` as before); a preload process that does
 not come up in :data:`READY_S` is given up for the same start-by-exec, with a warning.
 """
 

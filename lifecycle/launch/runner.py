@@ -257,12 +257,16 @@ def _attempt(policy: Policy, nproc: int, run_dir: Path, overrides: Sequence[str]
     return int(result.exit_code), info, result.stopped_by is not None, attempt
 
 
-def _preload(policy: Policy) -> tuple[str, ...]:
+def _preload(policy: Policy) -> tuple[str, ...] | None:
     """What the ranks import before they fork from one process (megatron-core when the train kind's groups are
-    Megatron's), see :mod:`lifecycle.launch.preload`."""
+    Megatron's), see :mod:`lifecycle.launch.preload`; None (each rank starts by exec) on a machine with an NVIDIA
+    driver: an import may touch CUDA there, and a CUDA context does not survive a fork."""
+    from lifecycle.distributed.comm_memory import backend_of, has_nvidia_driver
     from lifecycle.handlers import registry
     from lifecycle.launch import preload
 
+    if backend_of(policy) != "gloo" or has_nvidia_driver():
+        return None
     return preload.modules_for(registry.get("train", policy.train.kind).groups != "torch")
 
 

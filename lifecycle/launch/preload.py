@@ -204,6 +204,7 @@ def _child(request: dict[str, Any], keep_closed: Sequence[int]) -> None:
                 pass
         os.environ.clear()
         os.environ.update(request["env"])
+        _name(f"lifecycle-rank{int(request['rank'])}")  # what top and `ps -o comm` show (the command line is shared)
         argv = list(request["argv"])
         if argv[1:2] != ["-m"] or len(argv) < 3:
             raise ValueError(f"the preload process runs `python -m MODULE ...` only (got {argv})")
@@ -226,6 +227,18 @@ def _child(request: dict[str, Any], keep_closed: Sequence[int]) -> None:
             sys.stderr.flush()
         finally:
             os._exit(code)
+
+
+def _name(title: str) -> None:
+    """This process's name in /proc/PID/comm (Linux ``PR_SET_NAME``, 15 characters); nothing elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(15, title.encode()[:15], 0, 0, 0)  # 15: PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -43,3 +43,16 @@ def test_a_module_that_does_not_import_is_a_reason_not_a_hang(tmp_path: Path) ->
 def test_only_python_dash_m_is_forked_and_the_switch_turns_it_off() -> None:
     assert preload.enabled({}) and not preload.enabled({preload.ENV_PRELOAD: "0"})
     assert "megatron.core" in preload.modules_for(True) and "megatron.core" not in preload.modules_for(False)
+
+
+
+def test_a_forked_rank_is_named_after_its_rank(tmp_path: Path) -> None:
+    z = _zygote(tmp_path)
+    try:
+        assert z.wait_ready(30) is None
+        probe = "print('comm=' + open('/proc/self/comm').read().strip())"
+        rank = z.fork(3, ["python", "-m", "timeit", "-n1", "-r1", probe], dict(os.environ), tmp_path / "r3.log")
+        assert rank.wait(30) == 0
+    finally:
+        z.close()
+    assert "comm=lifecycle-rank3" in (tmp_path / "r3.log").read_text()

@@ -1,4 +1,4 @@
-"""The `lifecycle` command: validate | explain | schema | policies | diff | run | timeline | verdict.
+"""The `lifecycle` command: validate | explain | schema | policies | diff | run | timeline | verdict | diagnose.
 
 User errors (bad policy, overrides, files, world size) print ``key.path: message (got VALUE)`` lines
 and exit 2 — never a traceback; values are cut to ~200 characters and errors to a bounded number of
@@ -112,6 +112,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", "-o", help="trace file (default RUN_DIR/trace.json; .json.gz compresses)")
     p.add_argument("--png", help="Gantt chart of the phases (default RUN_DIR/timeline.png; needs matplotlib)")
     p.add_argument("--no-png", action="store_true", help="write the trace only")
+    p = sub.add_parser("diagnose", help="name the culprit rank, group and op of any failed job from its logs, "
+                       "Flight Recorder dumps and error files (offline)")
+    p.add_argument("paths", nargs="+", metavar="PATH", help="log files, dumps, error files, folders (any mix)")
+    p.add_argument("--json", action="store_true", help="machine-readable output (stable keys)")
+    p.add_argument("--world-size", "-w", type=_int_in(1, MAX_WORLD_SIZE, ""),
+                   help="with --override/--config-*: map groups to dimensions with this policy's layout")
+    p.add_argument("--override", "-o", action="append", default=[], metavar="KEY=VALUE",
+                   help="a policy override for the layout (repeatable), e.g. -o parallelism.tp=8")
+    p.add_argument("--config-dir", "-d", help="folder with your policy YAML (for the layout)")
+    p.add_argument("--config-name", "-n", default="config", help="policy file name without .yaml")
     return parser
 
 
@@ -214,8 +224,19 @@ def _timeline(args: argparse.Namespace) -> int:
     return timeline_main(args.run_dir, out=args.out, png=args.png, no_png=args.no_png)
 
 
+def _diagnose(args: argparse.Namespace) -> int:
+    from lifecycle.diagnose.report import diagnose, layout_of
+
+    layout = None
+    if args.world_size:
+        layout = layout_of(args.override, args.config_dir, args.config_name, args.world_size)
+    result = diagnose(args.paths, layout=layout)
+    print(json.dumps(result.as_json(), indent=1) if args.json else result.render())
+    return ExitCode.OK
+
+
 COMMANDS = {"validate": _validate, "explain": _explain, "schema": _schema, "policies": _policies, "diff": _diff,
-            "run": _run, "timeline": _timeline, "verdict": _verdict}
+            "run": _run, "timeline": _timeline, "verdict": _verdict, "diagnose": _diagnose}
 
 
 def _cut(line: str) -> str:

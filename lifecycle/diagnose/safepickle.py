@@ -55,7 +55,8 @@ def loads(data: bytes, path: Path) -> Json:
     try:
         value = _Restricted(io.BytesIO(data)).load()
     except pickle.UnpicklingError as exc:
-        raise RunDirError(f"{path}: refused as a pickle: {exc}", path=str(path)) from None
+        why = f"truncated or damaged ({exc})" if "truncated" in str(exc) else str(exc)
+        raise RunDirError(f"{path}: refused as a pickle: {why}", path=str(path)) from None
     except (EOFError, ValueError, TypeError, IndexError, KeyError, AttributeError, MemoryError, OverflowError,
             RecursionError) as exc:
         raise RunDirError(f"{path}: not a complete pickle ({type(exc).__name__}: {str(exc)[:200]}); truncated "

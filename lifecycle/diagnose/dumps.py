@@ -32,11 +32,16 @@ def _refuse(path: Path, why: str) -> RunDirError:
     return RunDirError(f"{path}: {why}", path=str(path))
 
 
-def load(path: Path, kind: str) -> JsonDict:
-    """The dump's top-level mapping, read safely (pickle: the restricted loader; JSON: bounded, depth-checked)."""
+def load(path: Path, kind: str, *, named: bool = True) -> JsonDict | None:
+    """The dump's top-level mapping, read safely (pickle: the restricted loader; JSON: bounded, depth-checked).
+    A file named on the command line that is no dump is a RunDirError; one met while walking a folder (``named``
+    False: a checkpoint, an optimizer state, any other pickle) is None, to be skipped and counted."""
     raw = files.read_bounded(path, files.MAX_DUMP, "Flight Recorder dump")
-    value: Json = safepickle.loads(raw, path) if kind == "pickle" else loads_json(raw, path)
+    foreign = "refuse" if named else "none"
+    value: Json = safepickle.loads(raw, path, foreign=foreign) if kind == "pickle" else loads_json(raw, path)
     if not isinstance(value, dict) or not isinstance(value.get("version"), str):
+        if not named:
+            return None
         raise _refuse(path, "not a Flight Recorder dump (no 'version' key)")
     if not VERSION.match(value["version"]):
         raise _refuse(path, f"Flight Recorder dump version {value['version'][:20]!r} is not one PyTorch 2.x writes")

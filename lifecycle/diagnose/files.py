@@ -5,7 +5,8 @@ is a regular file (a FIFO, device or socket is refused, never opened: that could
 whole. What a file is comes from its first bytes (a pickle, JSON, text) and, for text, from the name (an elastic
 error file, lifecycle's hang report). A file that cannot be used is a :class:`RunDirError` naming it (exit 2): a
 link loop, a file that cannot be read, binary junk named on the command line, a line longer than
-:data:`MAX_LINE`. Binary files met while walking a folder (checkpoints, core files) are skipped and counted.
+:data:`MAX_LINE`. Binary files met while walking a folder (checkpoints, core files), JSON-lines files (lifecycle's
+events) and pickles that are no Flight Recorder dump are skipped and counted.
 
 Pure Python: no torch.
 """
@@ -28,15 +29,18 @@ MAX_DUMP = 256 << 20
 """The largest Flight Recorder dump read (a dump of 20,000 entries with stacks is ~100 MB)."""
 MAX_JSON = 64 << 20
 SNIFF = 4096
+JSON_LINES = (".jsonl", ".ndjson")
 MAX_FILES = 200_000
 
 
 @dataclass(frozen=True)
 class Input:
-    """One file to read: its path and what it is (``log``, ``pickle``, ``json``)."""
+    """One file to read: its path, what it is (``log``, ``pickle``, ``json``, ``jsonl``) and whether the command
+    line named it (a file met while walking a folder that is no input of ours is skipped, not refused)."""
 
     path: Path
     kind: str
+    named: bool = False
 
 
 def _refuse(path: Path, why: str) -> RunDirError:
@@ -103,7 +107,9 @@ def _classify(path: Path, st: os.stat_result, *, named: bool) -> Input:
     kind = sniff(head)
     if kind == "binary" and named:
         raise _refuse(path, "binary data that is neither a log, a Flight Recorder dump nor a JSON file")
-    return Input(path, kind)
+    if kind in ("json", "log") and path.suffix in JSON_LINES:
+        kind = "jsonl"  # lifecycle's events/rank_<R>.jsonl, restarts.jsonl: records, not one JSON document
+    return Input(path, kind, named)
 
 
 def sniff(head: bytes) -> str:

@@ -62,18 +62,30 @@ def diagnose(paths: list[str], *, layout: Layout | None = None) -> Result:
     ev = Evidence(files=len(inputs), skipped_files=skipped)
     reader = logs.Reader(ev)
     for item in inputs:  # logs first: torchrun's summary maps error files to ranks
-        if item.kind == "log" and not item.path.name.endswith(".jsonl"):
+        if item.kind == "log":
             logs.read(str(item.path), files.read_head(item.path), reader)
-        elif item.kind == "log":
+        elif item.kind == "jsonl":
             ev.skipped_files += 1
     reader.finish()
     for item in inputs:
         if item.kind == "pickle":
-            sources.add_dump(ev, dumps.summarize(dumps.load(item.path, "pickle"), str(item.path), item.path))
+            _pickle(item, ev)
         elif item.kind == "json" and not sources.read_json(item.path, reader):
             ev.skipped_files += 1
+    sources.keep_current_report(ev)
     v = verdict.decide(ev)
     return Result(v, ev, waits.graph(ev), layout)
+
+
+def _pickle(item: files.Input, ev: Evidence) -> None:
+    value = dumps.load(item.path, "pickle", named=item.named)
+    if value is None:
+        ev.skipped_files += 1
+        if len(ev.notes) < 20:
+            ev.notes.append(f"{item.path}: a pickle that is no Flight Recorder dump (a checkpoint?): skipped, "
+                            f"nothing of it imported or run")
+        return
+    sources.add_dump(ev, dumps.summarize(value, str(item.path), item.path))
 
 
 def render(data: JsonDict) -> str:

@@ -73,13 +73,38 @@ def _hang_report(path: Path, value: JsonDict, ev: Evidence) -> None:
                 group=wait.get("group"), seq=wait.get("seq"), op=wait.get("op")))
     if isinstance(value.get("world_size"), int):
         ev.see_world(value["world_size"])
+    group, members = wait.get("group"), wait.get("members")
+    if isinstance(group, str) and isinstance(members, list) and all(isinstance(r, int) for r in members):
+        # lifecycle names a group by the dimensions that share its ranks ("dp", "tp=mp=tp_cp"): the first is its own
+        ev.members.setdefault(group, tuple(members))
+        ev.descs.setdefault(group, group.split("=")[0])
+
+
+def _report_order(fact: Fact) -> tuple[int, int, str]:
+    """The current attempt's full report first: the run directory's own ``hang_report.json`` (its current attempt),
+    then ``attempts/<N>/`` from the newest; a rank's local report (``hang_report.<R>.json``) after a full one."""
+    path = Path(fact.where)
+    attempt = path.parent.name if path.parent.parent.name == "attempts" else ""
+    newest = -int(attempt) if attempt.isdigit() else -(1 << 30)
+    return int(path.name != "hang_report.json"), newest, fact.where
+
+
+def keep_current_report(ev: Evidence) -> None:
+    """Of several lifecycle hang reports (a run restarted: ``attempts/<N>/hang_report.json``), keep the current
+    attempt's: the verdict is the one its own ``hang_report.json`` gives."""
+    reports = sorted(ev.of(F.REPORT), key=_report_order)
+    if len(reports) < 2:
+        return
+    ev.facts = [f for f in ev.facts if f.kind != F.REPORT or f is reports[0]]
+    ev.notes.append(f"{len(reports)} lifecycle hang reports: {reports[0].where} is the current attempt's and is "
+                    f"used; the others describe earlier attempts")
 
 
 def _wait_of(report: JsonDict, culprits: tuple[int, ...]) -> JsonDict:
     found = report.get("waits")
     for wait in (found.values() if isinstance(found, dict) else []):
         if isinstance(wait, dict) and set(wait.get("missing") or []) & set(culprits):
-            return {k: wait.get(k) for k in ("group", "seq", "op")}
+            return {k: wait.get(k) for k in ("group", "seq", "op", "members")}
     return {}
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 
 from lifecycle.diagnose import facts as F
@@ -26,6 +27,8 @@ RANK_LIST = re.compile(r"^\[\s*\d*(?:\s*,\s*\d+)*\s*\]$")
 FILE_RANK = re.compile(r"(\d{1,7})(?:\.(?:json|pkl|pickle|bin))?$")
 MAX_ENTRIES = 200_000
 MAX_FRAMES = 24
+FRAMED = 8
+"""The last entries of a dump whose stack frames are kept."""
 
 
 def _refuse(path: Path, why: str) -> RunDirError:
@@ -103,8 +106,14 @@ def _entries(entries: Json, path: Path) -> list[DumpOp]:
         return []
     if not isinstance(entries, list):
         raise _refuse(path, "its 'entries' is not a list: not a Flight Recorder dump")
-    ops = [op for e in entries[-MAX_ENTRIES:] if (op := _entry(e)) is not None]
-    return sorted(ops, key=lambda o: o.record)
+    pairs = [(op, e) for e in entries[-MAX_ENTRIES:] if (op := _entry(e)) is not None]
+    pairs.sort(key=lambda pair: pair[0].record)
+    # only the stacks of the last ops are read (where the rank waits): the others would cost time and memory at
+    # thousands of ranks; the last collective's too when point-to-point ops (pipeline stages) follow it
+    last = next(((op, e) for op, e in reversed(pairs) if not op.p2p), None)
+    for op, e in [*pairs[-FRAMED:], *([last] if last else [])]:
+        op.frames = _frames(e.get("frames") if isinstance(e, dict) else None)
+    return [op for op, _ in pairs]
 
 
 def _entry(e: Json) -> DumpOp | None:
@@ -117,11 +126,11 @@ def _entry(e: Json) -> DumpOp | None:
     p2p = e.get("is_p2p") is True or any(w in name for w in ("send", "recv"))
     record_id = e.get("record_id")
     record = record_id if isinstance(record_id, int) else 0
-    sizes = str(e.get("input_sizes"))[:120] if isinstance(e.get("input_sizes"), list) else ""
-    desc = pg[1][:200] if len(pg) > 1 and isinstance(pg[1], str) else ""
+    sizes = sys.intern(str(e.get("input_sizes"))[:120]) if isinstance(e.get("input_sizes"), list) else ""
+    desc = sys.intern(pg[1][:200]) if len(pg) > 1 and isinstance(pg[1], str) else ""
     p2p_seq = e.get("p2p_seq_id")
-    return DumpOp(pg[0][:200], (p2p_seq if isinstance(p2p_seq, int) else 0) if p2p else seq, name.split(":")[-1][:80], sizes,
-                  int(record), _frames(e.get("frames")), p2p, desc)
+    return DumpOp(sys.intern(pg[0][:200]), (p2p_seq if isinstance(p2p_seq, int) else 0) if p2p else seq,
+                  sys.intern(name.split(":")[-1][:80]), sizes, int(record), "", p2p, desc)
 
 
 def _frames(frames: Json) -> str:

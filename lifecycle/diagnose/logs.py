@@ -1,6 +1,6 @@
 """Read console logs, streaming: a chunk at a time, only the lines that can matter are decoded and parsed.
 
-One regular expression finds candidate lines in each chunk (C speed); each candidate line is split from its
+A search for a few literal words finds candidate lines in each chunk (:mod:`scan`); each candidate line is split from its
 launcher prefixes (:mod:`prefixes`) and given to the parsers of :mod:`lines`. Python tracebacks are followed per
 writer (the exception line that ends one is a crash, or a consequence of a peer), and torchrun's failure summary
 per file. Lines no parser uses are counted, never kept. Facts about a local rank wait for the end of the reading,
@@ -13,14 +13,9 @@ import re
 from dataclasses import dataclass, field
 
 from lifecycle.diagnose import facts as F
-from lifecycle.diagnose import files, lines, prefixes
+from lifecycle.diagnose import files, lines, prefixes, scan
 from lifecycle.diagnose.facts import Evidence, Fact
 
-TRIGGER = re.compile(
-    rb"Traceback|Error|Exception|Interrupt|[Tt]imed out|[Tt]imeout|WorkNCCL|atchdog|nqueued|dump signal|NCCL WARN|"
-    rb"exitcode|local_rank|closing signal|monitoredBarrier|lagging|joined but|t join collective|onnection|"
-    rb"clients joined|keys: |File \"|#\d+ \S+ from |terminate called|what\(\)|iteration|host +: |error_file|"
-    rb"Read error|PG GUID")
 LABEL_PRESENCE = re.compile(rb"(?m)^(\d{1,6}): ")
 
 
@@ -83,6 +78,8 @@ def read(path_str: str, head: bytes, reader: Reader) -> None:
         reader.local_presence.setdefault(scope, {}).setdefault(local, f"{path_str}:1")
     for chunk in files.chunks(path):
         state.chunk(chunk)
+    if state.iteration is not None:  # the last iteration line the file holds: the step the job reached
+        state.line(state.iteration[2], state.iteration[1])
     reader.ev.lines += state.lineno
 
 
@@ -96,18 +93,21 @@ class _File:
         self.lineno = 0
         self.writers: dict[tuple[int | None, int | None], _Writer] = {}
         self.block: dict[str, str] = {}
+        self.iteration: tuple[int, int, str] | None = None
+        """(iteration, line number, line) of the last ``iteration N/ M`` line read."""
 
     def chunk(self, data: bytes) -> None:
         if self.rank is None and self.local is None:
             self._presence(data)
+        found = scan.last_iteration(data)
+        if found is not None and (self.iteration is None or found[1] >= self.iteration[0]):
+            start, it = found
+            end = data.find(b"\n", start)
+            text = data[start:end if end >= 0 else len(data)].decode("utf-8", "replace")
+            self.iteration = (it, self.lineno + data.count(b"\n", 0, start) + 1, text)
         pos = 0
-        last = -1
-        for m in TRIGGER.finditer(data):
-            start = data.rfind(b"\n", 0, m.start()) + 1
-            if start == last:
-                continue
-            last = start
-            end = data.find(b"\n", m.end())
+        for start in scan.candidates(data):
+            end = data.find(b"\n", start)
             self.lineno += data.count(b"\n", pos, start)
             pos = start
             self.line(data[start:end if end >= 0 else len(data)].decode("utf-8", "replace"), self.lineno + 1)

@@ -23,6 +23,9 @@ def policy_json_schema() -> dict[str, Any]:
     train["options"] = {"anyOf": [*variants, {"type": "null"}], "description": train["options"].get(
         "description", "")}
     train["kind"]["enum"] = registry.kinds("train")
+    default = schema["properties"]["train"].get("default")
+    if isinstance(default, dict) and default.get("options") is None:  # the default kind's own defaults
+        default["options"] = registry.get("train", default["kind"]).options().model_dump(by_alias=True, mode="json")
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
     schema["title"] = "lifecycle policy"
     return schema

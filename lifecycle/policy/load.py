@@ -30,10 +30,11 @@ from lifecycle.launch.rundir import RESOLVED, SHA256
 from lifecycle.policy import yamlguard
 from lifecycle.policy.errors import clip, from_hydra, from_omegaconf, from_validation
 from lifecycle.policy.interpolation import check_interpolations
+from lifecycle.policy.kinds import is_schema_path, resolve
 from lifecycle.policy.overrides import check_overrides, quote_unicode
 from lifecycle.policy.packs import Pack, installed_packs, unusable_pack_for
 from lifecycle.policy.roots import ConfigRoot, config_roots
-from lifecycle.policy.schema import OWN_LOOP, Policy, is_schema_path
+from lifecycle.policy.schema import OWN_LOOP, Policy
 from lifecycle.policy.timeouts import issues as timeout_issues
 
 log = logging.getLogger(__name__)
@@ -161,6 +162,10 @@ def validate(data: dict[str, Any], *, source: str | None = None, own_loop: bool 
         policy = Policy.model_validate(data, context={OWN_LOOP: True} if own_loop else None)
     except ValidationError as exc:
         raise from_validation(exc, source) from None
+    except PolicyError as exc:
+        raise PolicyError(exc.issues, source=source) from None
+    try:  # the train kind against the installed kinds: the one step that reads what is installed
+        policy = resolve(policy, own_loop=own_loop)
     except PolicyError as exc:
         raise PolicyError(exc.issues, source=source) from None
     chain = timeout_issues(policy)  # the timeout chain reads the built policy (its layer sits above the schema)

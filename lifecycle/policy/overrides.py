@@ -90,7 +90,7 @@ def _check_one(text: str, parser: Any, roots: Sequence[ConfigRoot]) -> PolicyIss
 def _key_issue(key: str, text: str, roots: Sequence[ConfigRoot], *, is_delete: bool) -> PolicyIssue | None:
     """A key the schema does not know: named with the closest keys it does (never Hydra's "use +key" advice,
     which only leads to an unknown-key error)."""
-    from lifecycle.policy.schema import is_schema_path, schema_paths
+    from lifecycle.policy.kinds import is_schema_path, schema_paths
 
     dotted = key.replace("/", ".")
     if is_schema_path(dotted) or dotted.split(".")[0] in ("defaults", "_self_") or "_target_" in dotted.split("."):

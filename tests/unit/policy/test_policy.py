@@ -10,7 +10,8 @@ from pydantic import ValidationError
 from lifecycle.errors import PolicyError
 from lifecycle.policy import load as L
 from lifecycle.policy.checks import world_issues
-from lifecycle.policy.schema import Policy, is_schema_path
+from lifecycle.policy.kinds import is_schema_path
+from lifecycle.policy.schema import Policy
 
 
 def test_default_policy_is_the_moe_job() -> None:
@@ -116,3 +117,26 @@ def test_read_resolved_names_the_file(tmp_path: Path) -> None:
     bad.write_text("- a list\n")
     with pytest.raises(PolicyError, match="policy.resolved.yaml: is not a mapping"):
         L.read_resolved(bad)
+
+
+def test_the_schema_validates_data_and_the_kind_is_resolved_against_what_is_installed_at_load() -> None:
+    import ast
+    from pathlib import Path
+
+    from lifecycle.errors import PolicyError
+    from lifecycle.policy import schema
+    from lifecycle.policy.load import validate
+
+    # As data, a kind no one installed and its options are fine: the schema reads no registry, no entry point.
+    data = {"train": {"kind": "megatron_gtp", "options": {"hidden": 32}}}
+    assert Policy.model_validate(data).train.options == {"hidden": 32}
+    tree = ast.parse(Path(schema.__file__).read_text())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | {
+        a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert not {m for m in imported if m and m.startswith("lifecycle.handlers")}, imported
+    # The explicit step at load: the same did-you-mean, and the kind's options model applied.
+    with pytest.raises(PolicyError) as err:
+        validate(data)
+    assert err.value.issues[0].path == "train.kind" and "megatron_gpt" in err.value.issues[0].message
+    resolved = validate({"train": {"kind": "megatron_gpt", "options": {"hidden": 32}}})
+    assert resolved.train.options.hidden == 32 and resolved.train.options.heads == 4

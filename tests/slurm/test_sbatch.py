@@ -1,6 +1,7 @@
 """examples/slurm.sbatch end to end on a real SLURM: a clean job, a usage error, a failure that is requeued and
 resumes, the same failure with no progress until exit 6, and a time limit (signal, save, requeue, resume) whose
-requeued run is then preempted with `scancel --batch --signal=INT` (save, exit 0, no requeue).
+requeued run is then preempted with `scancel --batch --signal=INT` (save, exit 0, no requeue); without requeue
+(REQUEUE=0), a `--dependency=afternotok` chain of two jobs with one run id.
 
 Every job is submitted at once by one fixture (the node oversubscribes the cores), so the tests' wall time is about
 that of the longest job, the time limit (`--time=1` is the shortest SLURM has; slurmctld looks at time limits every
@@ -26,7 +27,7 @@ pytestmark = pytest.mark.slurm
 
 SCRIPT = ROOT / "examples" / "slurm.sbatch"
 BASE = [*SYNTHETIC, *FAST, "checkpoint.grace_s=20"]
-LEAD_S = 50  # >= checkpoint.grace_s + teardown.deadline_s (20 + 15): validate refuses a shorter lead
+LEAD_S = 40  # >= checkpoint.grace_s + teardown.deadline_s (20 + 15): validate refuses a shorter lead
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
 NOISE = ("frame #", "socket.cpp", "[c10d]", "retry", "Traceback")  # C++ traces, a store's connect retries
 
@@ -43,7 +44,7 @@ class Jobs:
         return path.read_text(errors="replace") if path.exists() else ""
 
     def run_dir(self, name: str) -> Path:
-        return self.dir / "runs" / f"lifecycle-{self.ids[name]}"
+        return self.dir / "runs" / f"lifecycle-{'chain' if name.startswith('chain') else self.ids[name]}"
 
     def wait(self, name: str, until: str = "ended", timeout_s: float = 120) -> dict[str, str]:
         """Poll the job until it ended (or its output shows ``until``), releasing every requeued job meanwhile."""
@@ -94,6 +95,12 @@ def jobs(slurm: Slurm, tmp_path_factory: pytest.TempPathFactory) -> Jobs:
                               "+faults=[{at: train, ranks: [1], action: crash, step: 1}]"),
         "usage": submit(*BASE, "train.stepz=6"),
     }
+    # Where the job cannot requeue itself (REQUEUE=0, no scontrol in a container): a chain of jobs with one run id.
+    crash = [*BASE, "run.id=chain", "train.steps=6", "checkpoint.every_steps=2",
+             "+faults=[{at: train, ranks: [1], action: crash, step: 3, attempts: [1]}]"]
+    ids["chain_1"] = submit(*crash, REQUEUE="0")
+    ids["chain_2"] = submit(*crash, REQUEUE="0", sbatch=(f"--dependency=afternotok:{ids['chain_1']}",
+                                                         "--kill-on-invalid-dep=yes"))
     return Jobs(slurm, work, ids)
 
 
@@ -166,3 +173,13 @@ def test_a_time_limit_saves_requeues_and_resumes_then_a_preemption_saves_and_end
     assert (jobs.run_dir("time_limit") / "checkpoints" / "latest").read_text().strip() == f"iter_{int(stopped):07d}"
     assert "requeue" not in second
     _quiet(out)
+
+
+@pytest.mark.timeout(150)
+def test_without_requeue_a_dependency_chain_resumes_the_same_run(jobs: Jobs) -> None:
+    first, second = jobs.wait("chain_1"), jobs.wait("chain_2")
+    out_1, out_2 = jobs.out("chain_1"), jobs.out("chain_2")
+    assert _state(first) == ("FAILED", "4:0", 0), out_1
+    assert "exit 4; job" in out_1 and "not requeued (REQUEUE=0" in out_1
+    assert _state(second) == ("COMPLETED", "0:0", 0), out_2  # started because the first failed (afternotok)
+    assert "attempt 2: resumed from step 2" in out_2 and "checkpoint step 6 committed: runs/lifecycle-chain/" in out_2

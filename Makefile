@@ -3,6 +3,7 @@
 #   make run          the main job (the embedded default policy)
 #   make test         lint, type check and the test suite (soaks and scale runs left out: make test-slow)
 #   make test-slow    the soaks and scale runs (a 1000-step soak, world-8 layouts)
+#   make test-slurm   examples/slurm.sbatch on a real one-node SLURM only (root; part of make test too)
 # Upgrades, on purpose:
 #   make lock         re-resolve requirements/lock.txt from pyproject.toml (newest versions its ranges allow)
 #   make test-latest  the same checks in a separate .venv-latest with the newest versions, not the lock
@@ -16,7 +17,7 @@ LATEST := .venv-latest
 TORCH  := torch==2.13.0
 PIP    := -q --disable-pip-version-check
 
-.PHONY: run test test-slow env lint lock test-latest clean
+.PHONY: run test test-slow test-slurm env lint lock test-latest clean
 
 env: $(STAMP)
 
@@ -42,6 +43,9 @@ test: lint
 
 test-slow: $(STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q -p no:randomly -m slow --durations=15
+
+test-slurm: $(STAMP)
+	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q -p no:randomly -rs tests/slurm --durations=10
 
 lock: $(STAMP)
 	CUSTOM_COMPILE_COMMAND="make lock" $(VENV)/bin/pip-compile -q --upgrade --generate-hashes --allow-unsafe --strip-extras --extra dev \

@@ -91,7 +91,7 @@ def in_process_stages(run_dir: Path) -> dict[str, float]:
 
 
 def stages(run_dir: Path) -> dict[str, dict[str, float]]:
-    from lifecycle.launch import restarts
+    from lifecycle.rundir import restarts
 
     ledger = {a.number: a for a in restarts.read(run_dir)}
     out = {}

@@ -258,7 +258,7 @@ def _record_for_torchrun(exc: LifecycleError) -> None:
     """Under torchrun an error before the rank starts (bad policy, environment) reaches its summary too."""
     import os
 
-    from lifecycle.launch.elastic import ENV, record_failure
+    from lifecycle.rundir.elastic import ENV, record_failure
 
     if os.environ.get(ENV):
         rank = os.environ.get("RANK", "")
@@ -269,7 +269,7 @@ def _record_for_torchrun(exc: LifecycleError) -> None:
 def _command(args: argparse.Namespace) -> int:
     """The command; a write the file system refused before any rank started (a full or read-only disk) is a
     one-line usage error naming the file, not a traceback."""
-    from lifecycle.safeio import storage_error
+    from lifecycle.rundir.safeio import storage_error
 
     try:
         return COMMANDS[args.command](args)

@@ -30,9 +30,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from lifecycle import safeio
 from lifecycle.checkpoint.binding import MAX_STEP
 from lifecycle.jsontypes import JsonDict
+from lifecycle.rundir import safeio
 
 log = logging.getLogger(__name__)
 

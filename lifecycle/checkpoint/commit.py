@@ -17,10 +17,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+from lifecycle import rundir
 from lifecycle.checkpoint import binding, ckptdir
 from lifecycle.checkpoint.pending import PendingSave
 from lifecycle.errors import CheckpointError, PhaseError
-from lifecycle.launch import rundir
 from lifecycle.phases.base import Action, GroupView, barrier_actions, deadline_text, sequence_check
 from lifecycle.phases.points import run_points
 
@@ -297,7 +297,7 @@ class TrainerSave:
                 if path.is_dir():
                     _learned(ctx, path, sha256)
                 _commit_folder(path, self.step, sha256, _layout(ctx))
-                from lifecycle.launch.restarts import record_checkpoint_dir
+                from lifecycle.rundir.restarts import record_checkpoint_dir
 
                 record_checkpoint_dir(ctx.run_dir, path.parent)
             with ctx.events.span("barrier:ckpt_committed", group="world", via="store"):

@@ -15,8 +15,8 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lifecycle import safeio
 from lifecycle.jsontypes import JsonDict
+from lifecycle.rundir import safeio
 
 if TYPE_CHECKING:
     from lifecycle.context import RunContext

@@ -24,7 +24,7 @@ def _saved_world(ckpt_dir: Path) -> int:
     """The world size that wrote ``ckpt_dir`` (its ``metadata.json``)."""
     import json
 
-    from lifecycle import safeio
+    from lifecycle.rundir import safeio
 
     meta = safeio.read_json(ckpt_dir / "metadata.json", limit=1 << 16)
     world = meta.get("world") if isinstance(meta, dict) else None

@@ -4,6 +4,6 @@
 - :mod:`~lifecycle.launch.local`: the local launcher (``--nproc`` ranks, the agent-hosted store, shutdown);
 - :mod:`~lifecycle.launch.worker`: one rank (``python -m lifecycle.launch.worker RUN_DIR``, or under torchrun/srun);
 - :mod:`~lifecycle.launch.preflight`: what the files and the environment show before any rank starts;
-- :mod:`~lifecycle.launch.rundir`: the run directory's files, attempts and lock;
-- :mod:`~lifecycle.launch.elastic`: what torchrun reads of a failed rank (its error file).
+- :mod:`~lifecycle.rundir`: the run directory's files, attempts and lock;
+- :mod:`~lifecycle.rundir.elastic`: what torchrun reads of a failed rank (its error file).
 """

@@ -33,8 +33,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from lifecycle import rundir
 from lifecycle.launch import preload as preload_mod
-from lifecycle.launch import rundir
 from lifecycle.launch.parent import ENV_LAUNCHER_PID
 from lifecycle.launch.signals import SignalTrap, torch_leaves_our_signals
 

@@ -54,7 +54,7 @@ def dir_problem(path_text: str, key: str = "folder") -> str | None:
         path.mkdir(parents=True, exist_ok=True)
         _probe(path)
     except OSError as exc:
-        from lifecycle.safeio import STORAGE_ERRNOS
+        from lifecycle.rundir.safeio import STORAGE_ERRNOS
 
         if exc.errno in STORAGE_ERRNOS:  # full or read-only: no setting fixes it, one line rather than a list
             what, fix = STORAGE_ERRNOS[exc.errno]
@@ -146,7 +146,7 @@ def _empty_dir(path: Path) -> bool:
 
 def mark_owner(run_dir: str | Path) -> None:
     """Record that lifecycle made (or adopted) ``run_dir``."""
-    from lifecycle import safeio
+    from lifecycle.rundir import safeio
 
     marker = Path(run_dir) / MARKER
     if not marker.is_file():
@@ -168,7 +168,8 @@ def check_dirs(run_dir: str, checkpoint_dir: str) -> None:
 
 
 def _run_files() -> tuple[str, ...]:
-    from lifecycle.launch import restarts, rundir
+    from lifecycle import rundir
+    from lifecycle.rundir import restarts
 
     return (rundir.RESOLVED, rundir.SHA256, rundir.SHUTDOWN_MARKER, rundir.HANG_REPORT, rundir.SUMMARY, rundir.TRACE,
             rundir.TIMELINE_PNG, rundir.OVERRIDES, rundir.ATTEMPT, rundir.LOCK, MARKER, restarts.LEDGER)
@@ -180,7 +181,7 @@ def check_run_files(run_dir: Path) -> None:
     events/ and logs/ a regular file. A FIFO, device, socket or symbolic link (appends never follow one) that an
     earlier run or anyone left there is a :class:`~lifecycle.errors.RunDirError` (exit 2) naming it, not a hang
     or a write outside the run directory; nothing is written."""
-    from lifecycle import safeio
+    from lifecycle.rundir import safeio
 
     hint = "remove it (or move it away) and run again, or use another run.dir"
     for name in _run_files():

@@ -29,9 +29,9 @@ from lifecycle.errors import ExitCode, PolicyError, PolicyIssue, RunDirError, Us
 from lifecycle.jsontypes import JsonDict
 
 if TYPE_CHECKING:
-    from lifecycle.launch.runlock import RunLock
     from lifecycle.launch.signals import SignalTrap
     from lifecycle.policy.schema import Policy
+    from lifecycle.rundir.runlock import RunLock
 
 
 def _new_run_id() -> str:
@@ -93,7 +93,7 @@ def preflight(policy: Policy, world_size: int, ranks_per_node: int | None = None
 
 def _last_save_s(run_dir: Path) -> float | None:
     """How long the run's last committed save took (save + commit, its summary.json), if the run has one."""
-    from lifecycle import safeio
+    from lifecycle.rundir import safeio
 
     summary = safeio.try_json(run_dir / "summary.json")
     saves = summary.get("checkpoints") if isinstance(summary, dict) else None
@@ -132,7 +132,7 @@ def own_run_dir(policy: Policy, *, peers_starting: bool = False) -> Path:
     lock: one launcher per run directory (a second one exits 2 naming the holder). The resolved run directory.
     ``peers_starting``: rank 0 of a job other ranks of which start now (torchrun, srun, attach)."""
     from lifecycle.launch import preflight as checks
-    from lifecycle.launch import runlock
+    from lifecycle.rundir import runlock
 
     issues = checks.place_problem(policy.run.dir, policy.checkpoint.dir)
     if issues:
@@ -174,7 +174,7 @@ def _launch(policy: Policy, nproc: int, run_dir: Path, overrides: Sequence[str],
     cannot fix (a usage error, a stop the launcher was asked for) or ``restart.max_no_progress`` attempts in a row
     without a newer checkpoint (``exit_codes.no_progress``). Each restart is the next attempt: it resumes from the
     last committed checkpoint."""
-    from lifecycle.launch import rundir
+    from lifecycle import rundir
 
     if rundir.holds_run(run_dir) and policy.checkpoint.resume == "never":
         raise UsageError(f"run directory {run_dir} already holds a run and checkpoint.resume=never; pick another "
@@ -210,23 +210,23 @@ def _launch(policy: Policy, nproc: int, run_dir: Path, overrides: Sequence[str],
 
 def _refusal(policy: Policy, run_dir: Path) -> str | None:
     """The launcher's no-progress verdict before it starts the next attempt (rank 0 gives the same at init)."""
-    from lifecycle.launch import restarts
+    from lifecycle.checkpoint import progress
     from lifecycle.policy.load import sha256
 
-    return restarts.verdict(run_dir, policy, sha256(policy))[0]
+    return progress.verdict(run_dir, policy, sha256(policy))[0]
 
 
 def _attempt(policy: Policy, nproc: int, run_dir: Path, overrides: Sequence[str],
              restarts_left: int) -> tuple[int, JsonDict, bool, int]:
     """One attempt (and the attempts its ranks restarted in place): its files, its ranks, its summary. (exit code,
     summary, whether the launcher was stopped, the attempt it started as)."""
-    from lifecycle import safeio
+    from lifecycle import rundir
     from lifecycle.launch import preflight as checks
-    from lifecycle.launch import restarts, rundir
     from lifecycle.launch.local import launch_local
     from lifecycle.launch.worker import ENV_RESTARTS_LEFT
     from lifecycle.obs import summary
     from lifecycle.policy.load import write_resolved
+    from lifecycle.rundir import restarts, safeio
 
     attempt = rundir.archive_attempt(run_dir)
     checks.mark_owner(run_dir)
@@ -322,9 +322,9 @@ def _run_as_rank(policy: Policy, overrides: Sequence[str]) -> int:
 def prepare_rank_dir(policy: Policy, rank: int, world: int, overrides: Sequence[str], *, hint: str) -> Path:
     """One rank of a job started by another launcher (torchrun, srun, a trainer's own): rank 0 checks what can be
     checked before init and writes the resolved policy; every rank checks the folders. The run directory."""
-    from lifecycle import safeio
-    from lifecycle.launch import rundir
+    from lifecycle import rundir
     from lifecycle.policy.load import write_resolved
+    from lifecycle.rundir import safeio
 
     if rank == 0:
         from lifecycle.launch import preflight as checks

@@ -16,11 +16,11 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
+from lifecycle import rundir
 from lifecycle.distributed.ranks import fmt_ranks
 from lifecycle.errors import ExitCode, LifecycleError, exit_code
-from lifecycle.launch import rundir
 from lifecycle.launch.preflight import rank_env
-from lifecycle.launch.rundir import RESOLVED, has_marker
+from lifecycle.rundir import RESOLVED, has_marker
 
 if TYPE_CHECKING:
     from lifecycle.context import RunContext
@@ -122,7 +122,7 @@ def next_attempt(ctx: RunContext, restart: InProcessRestart) -> RunContext:
     import torch
 
     from lifecycle.context import RunContext
-    from lifecycle.launch import restarts
+    from lifecycle.rundir import restarts
 
     gc.collect()  # the failed attempt's model and optimizer (held in cycles with its error) before the next ones
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run_rank(Path(args[0]))
     except LifecycleError as exc:
-        from lifecycle.launch.elastic import record_failure
+        from lifecycle.rundir.elastic import record_failure
 
         print(f"[rank {os.environ.get('RANK', '?')}] error: {exc}", file=sys.stderr, flush=True)
         rank = os.environ.get("RANK", "")

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from lifecycle.distributed.ranks import fmt_ranks
-from lifecycle.launch.rundir import has_marker
+from lifecycle.rundir import has_marker
 
 if TYPE_CHECKING:
     from torch.distributed import Store

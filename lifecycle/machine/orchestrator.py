@@ -174,7 +174,7 @@ class Orchestrator:
     def _explained(self, exc: BaseException) -> BaseException:
         """A write a file system refused (read-only, full, over quota) as one line naming the run's folder it hit
         (:class:`~lifecycle.errors.StorageError`, logged without a traceback: the disk is at fault, not the code)."""
-        from lifecycle.safeio import storage_error
+        from lifecycle.rundir.safeio import storage_error
 
         folders = {"checkpoint.dir": self.ctx.policy.checkpoint.dir, "run.dir": str(self.ctx.run_dir)}
         fallback = "checkpoint.dir" if self.current == "checkpoint" else None
@@ -242,7 +242,7 @@ class Orchestrator:
 
     def _record(self, exc: BaseException, code: int) -> None:
         """The failure for torchrun's summary (``TORCHELASTIC_ERROR_FILE``, as ``@record`` writes it)."""
-        from lifecycle.launch.elastic import record_failure
+        from lifecycle.rundir.elastic import record_failure
 
         ranks = culprits(exc)
         reported = self.ctx.watchdog.reported if self.ctx.watchdog is not None else None
@@ -257,7 +257,7 @@ class Orchestrator:
         ctx = self.ctx
         self._end_current()
         if ctx.rank == 0 and ctx.started_attempt:
-            from lifecycle.launch import restarts
+            from lifecycle.rundir import restarts
 
             restarts.record_end(ctx.run_dir, ctx.attempt, code)
         ctx.events.instant("exit", exit_code=code, step=ctx.step, saved=ctx.saved or None,

@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from lifecycle import safeio
+from lifecycle.rundir import safeio
 
 _ENCODE = json.JSONEncoder(default=str).encode
 """One encoder for every event: ``json.dumps(..., default=str)`` builds a new one per call (on the training thread)."""

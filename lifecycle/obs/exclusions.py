@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from lifecycle import safeio
+from lifecycle.rundir import safeio
 
 FILE = "exclude_nodes.json"
 HOSTLIST = "exclude_nodes.txt"

@@ -91,7 +91,7 @@ def plot(events: dict[int, list[dict[str, Any]]], path: Path, *, title: str = ""
     path.parent.mkdir(parents=True, exist_ok=True)
     import io
 
-    from lifecycle import safeio
+    from lifecycle.rundir import safeio
 
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi)

@@ -12,11 +12,10 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from lifecycle import safeio
-from lifecycle.launch.rundir import ATTEMPTS_DIR, HANG_REPORT, SUMMARY, earlier_attempts
 from lifecycle.obs.events import read_events
 from lifecycle.obs.spans import Span, phase_of, rank_spans, valid_events
 from lifecycle.policy.base import PHASES
+from lifecycle.rundir import ATTEMPTS_DIR, HANG_REPORT, SUMMARY, earlier_attempts, safeio
 
 HANG_KEYS = ("cause", "detail", "origin", "culprits", "dead", "group", "report")
 
@@ -186,8 +185,7 @@ def _first_step_t(events_file: Path) -> float | None:
 def _with_restart_times(run_dir: Path, earlier: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each earlier attempt with ``restart_s``: from its failure (its first end record in the restart ledger) to
     the first step of the attempt after it, when both are known."""
-    from lifecycle.launch import restarts
-    from lifecycle.launch.rundir import events_file
+    from lifecycle.rundir import events_file, restarts
 
     ended = {a.number: a.ended_at for a in restarts.read(run_dir)}
     numbers = [int(a["attempt"]) for a in earlier]

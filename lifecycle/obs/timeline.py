@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lifecycle import safeio
 from lifecycle.errors import ExitCode, UsageError
 from lifecycle.obs.events import iter_file, rank_files, read_events
 from lifecycle.obs.spans import COMMON_KEYS, Span, is_valid, iter_spans, valid_events
+from lifecycle.rundir import safeio
 
 CUT_NOTE = "no end event: the rank died or was killed inside this span; closed at its last event"
 _CATEGORIES = (("phase:", "phase"), ("warm:", "collective"), ("barrier:", "barrier"), ("teardown:", "teardown"))

@@ -168,12 +168,13 @@ class InitPhase:
         import torch
         import torch.distributed as dist
 
+        from lifecycle.checkpoint import progress
         from lifecycle.distributed.collectives import device_for, wait_works
-        from lifecycle.launch import restarts
         from lifecycle.policy.load import sha256
+        from lifecycle.rundir import restarts
 
         digest = sha256(ctx.policy)
-        refused, start_step = restarts.verdict(ctx.run_dir, ctx.policy, digest) if ctx.rank == 0 else (None, None)
+        refused, start_step = progress.verdict(ctx.run_dir, ctx.policy, digest) if ctx.rank == 0 else (None, None)
         payload = (bytes.fromhex(digest) + min(ctx.attempt, 1 << 31).to_bytes(4, "little")
                    + (b"\x01" if refused else b"\x00"))
         mine = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device_for())
@@ -231,8 +232,8 @@ def _agree_attempt(ctx: RunContext, attempts: list[int]) -> None:
     """Every rank continues as the newest attempt any rank counted (under torchrun/srun each rank counts from its
     own events file, and a replaced node's or a wiped local run directory counts from 1). Ranks that counted
     another number say so, record the agreed one, and rank 0 records it in the run directory, which fences off
-    ranks of older attempts (:func:`lifecycle.launch.rundir.fence`)."""
-    from lifecycle.launch import rundir
+    ranks of older attempts (:func:`lifecycle.rundir.fence`)."""
+    from lifecycle import rundir
 
     agreed = max(attempts)
     if agreed == ctx.attempt and len(set(attempts)) == 1:

@@ -119,7 +119,7 @@ class TeardownPhase:
         deadline: HardDeadline
 
         def note(step: str) -> None:
-            from lifecycle.launch.elastic import record_failure
+            from lifecycle.rundir.elastic import record_failure
 
             ctx.events.instant("teardown_deadline", step_name=step, exit_code=deadline.code)
             ctx.events.close()

@@ -24,9 +24,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from lifecycle import safeio
 from lifecycle.errors import PolicyError, PolicyIssue
-from lifecycle.launch.rundir import RESOLVED, SHA256
 from lifecycle.policy import yamlguard
 from lifecycle.policy.errors import clip, from_hydra, from_omegaconf, from_validation
 from lifecycle.policy.interpolation import check_interpolations
@@ -36,6 +34,7 @@ from lifecycle.policy.packs import Pack, installed_packs, unusable_pack_for
 from lifecycle.policy.roots import ConfigRoot, config_roots
 from lifecycle.policy.schema import OWN_LOOP, Policy
 from lifecycle.policy.timeouts import issues as timeout_issues
+from lifecycle.rundir import RESOLVED, SHA256, safeio
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from lifecycle.errors import (
     UsageError,
 )
 from lifecycle.jsontypes import Json, JsonDict
-from lifecycle.launch.rundir import read_marker
+from lifecycle.rundir import read_marker
 from lifecycle.watchdog import diagnosis
 from lifecycle.watchdog.seqcheck import PROBE_MAX_GROUP
 from lifecycle.watchdog.sidechannel import SideChannel

@@ -40,9 +40,9 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
+from lifecycle import rundir
 from lifecycle.errors import ExitCode, HangError, PeerFailed, PeerLeftAfterHang, StoreUnavailable, culprits
 from lifecycle.jsontypes import JsonDict
-from lifecycle.launch import rundir
 from lifecycle.watchdog import causes, diagnosis
 from lifecycle.watchdog.bounded import BoundedChannel
 from lifecycle.watchdog.causes import Cause
@@ -242,7 +242,7 @@ class Watchdog:
         # here that is a hang, whichever of the watchdog or a collective's timeout sees it first
         code = {"hang": codes.hang, "lost": codes.hang, "sequence": codes.hang, "unresponsive": codes.hang,
                 "usage": ExitCode.USAGE}.get(cause.kind, codes.rank_failed)
-        from lifecycle.launch.elastic import record_failure
+        from lifecycle.rundir.elastic import record_failure
 
         d = self.reported
         record_failure(rank=self.rank, error=f"watchdog: {diagnosis.CAUSES.get(cause.kind, cause.kind)}",

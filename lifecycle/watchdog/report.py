@@ -17,10 +17,9 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lifecycle import safeio
+from lifecycle import rundir
 from lifecycle.jsontypes import JsonDict
-from lifecycle.launch import rundir
-from lifecycle.launch.rundir import HANG_REPORT, local_report_name, newer_attempt
+from lifecycle.rundir import HANG_REPORT, local_report_name, newer_attempt, safeio
 from lifecycle.watchdog import diagnosis
 
 if TYPE_CHECKING:

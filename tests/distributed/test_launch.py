@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from lifecycle.launch.local import launch_local
-from lifecycle.launch.rundir import SHUTDOWN_MARKER
+from lifecycle.rundir import SHUTDOWN_MARKER
 
 pytestmark = pytest.mark.distributed
 
@@ -178,12 +178,12 @@ def test_no_rank_outlives_its_launcher(tmp_path: Path) -> None:
 def test_no_rank_survives_a_launcher_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import psutil
 
-    import lifecycle.launch.rundir
+    import lifecycle.rundir
 
     def broken(run_dir: Path, rank: int) -> None:
         raise RuntimeError("injected launcher fault")
 
-    monkeypatch.setattr(lifecycle.launch.rundir, "last_event", broken)  # fault injection after the failure
+    monkeypatch.setattr(lifecycle.rundir, "last_event", broken)  # fault injection after the failure
     with pytest.raises(RuntimeError, match="injected launcher fault"):
         launch_local(_worker("fail.py", 1, "sleep"), 3, tmp_path)
     left = [c for c in psutil.Process().children(recursive=True)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lifecycle.launch import rundir
+from lifecycle import rundir
 from lifecycle.obs.events import read_events
 from tests.distributed.runs import FAST, SYNTHETIC
 from tests.helpers import ROOT, run_cli

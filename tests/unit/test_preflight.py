@@ -185,8 +185,8 @@ def test_the_rendezvous_environment_is_checked() -> None:
 
 
 def test_one_launcher_holds_a_run_directory(tmp_path: Path) -> None:
-    from lifecycle import safeio
-    from lifecycle.launch import rundir, runlock
+    from lifecycle import rundir
+    from lifecycle.rundir import runlock, safeio
 
     first = runlock.RunLock(tmp_path).acquire()
     assert first.took_over is None

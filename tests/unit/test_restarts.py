@@ -8,8 +8,9 @@ from pathlib import Path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lifecycle.launch import restarts
-from lifecycle.launch.restarts import Attempt, no_progress
+from lifecycle.checkpoint import progress
+from lifecycle.rundir import restarts
+from lifecycle.rundir.restarts import Attempt, no_progress
 
 
 def test_the_streak_counts_failed_attempts_the_tracker_did_not_move_past() -> None:
@@ -69,6 +70,6 @@ def test_progress_is_read_where_a_trainer_commits_its_own_checkpoints(tmp_path: 
         restarts.record_start(run, attempt, step, "sha")
         restarts.record_end(run, attempt, 4)
     ckptdir.write_tracker(own, 20)
-    assert restarts.verdict(run, policy, "sha")[0] is not None  # checkpoint.dir alone: no progress seen
+    assert progress.verdict(run, policy, "sha")[0] is not None  # checkpoint.dir alone: no progress seen
     restarts.record_checkpoint_dir(run, own)
-    assert restarts.verdict(run, policy, "sha") == (None, 20)
+    assert progress.verdict(run, policy, "sha") == (None, 20)

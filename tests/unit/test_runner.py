@@ -28,8 +28,10 @@ def test_an_attempt_stopped_before_its_ranks_wrote_anything_is_recorded_as_itsel
     import json
     import signal
 
-    from lifecycle.launch import local, restarts, rundir, runner
+    from lifecycle import rundir
+    from lifecycle.launch import local, runner
     from lifecycle.policy.load import validate
+    from lifecycle.rundir import restarts
 
     run_dir = tmp_path / "run"
     policy = validate({"run": {"dir": str(run_dir), "id": "unit"}, "train": {"kind": "synthetic", "steps": 4}})

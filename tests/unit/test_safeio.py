@@ -14,10 +14,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lifecycle import safeio
+from lifecycle import rundir
 from lifecycle.checkpoint import ckptdir
-from lifecycle.launch import rundir
 from lifecycle.obs.events import EventLog, read_events
+from lifecycle.rundir import safeio
 
 pytestmark = pytest.mark.timeout(30)
 

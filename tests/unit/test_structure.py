@@ -192,7 +192,18 @@ def test_the_public_face_imports_no_torch_and_every_name_in_all_resolves() -> No
 
 def test_only_a_handful_of_modules_sit_at_the_top() -> None:
     top = sorted(p.stem for p in PACKAGE.glob("*.py"))
-    assert top == ["__init__", "__main__", "cli", "context", "errors", "jsontypes", "safeio"], top
+    assert top == ["__init__", "__main__", "cli", "context", "errors", "jsontypes"], top
+
+
+def test_the_run_directory_floor_imports_nothing_above_it() -> None:
+    """``lifecycle.rundir`` (the run directory's files, restarts ledger, lock, elastic error files, safe I/O) stands
+    on errors and jsontypes only, type hints included: every layer above may use it, it uses none of them."""
+    graph = _graph(type_checking=True)
+    allowed = {"lifecycle", "lifecycle.errors", "lifecycle.jsontypes"}
+    floor = {m for m in graph if m == "lifecycle.rundir" or m.startswith("lifecycle.rundir.")}
+    assert floor >= {"lifecycle.rundir", "lifecycle.rundir.safeio", "lifecycle.rundir.restarts"}, floor
+    above = {m: sorted(t for t in graph[m] if t not in allowed and t not in floor) for m in floor}
+    assert not any(above.values()), above
 
 
 def test_the_cycle_finder_finds_a_cycle() -> None:

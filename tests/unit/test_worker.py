@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from lifecycle import rundir
 from lifecycle.errors import UsageError
-from lifecycle.launch import rundir
 from lifecycle.launch.worker import rank_env, run_rank
 from lifecycle.obs.events import read_events
 from lifecycle.policy.load import validate, write_resolved

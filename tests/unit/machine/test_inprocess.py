@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 from lifecycle.distributed.sockets import cut_connections
-from lifecycle.launch.rundir import write_marker
 from lifecycle.machine import inprocess
 from lifecycle.obs.summary import current_attempt, in_process_restarts
+from lifecycle.rundir import write_marker
 
 
 def _ctx(tmp_path: Path, rank: int = 0, world: int = 4, **restart: object) -> Any:

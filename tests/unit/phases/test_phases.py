@@ -10,10 +10,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lifecycle import checkpoint
+from lifecycle import checkpoint, rundir
 from lifecycle.context import RunContext
 from lifecycle.errors import CheckpointError, PhaseError, PolicyError
-from lifecycle.launch import rundir
 from lifecycle.obs.events import read_events
 from lifecycle.phases.init import InitPhase
 from lifecycle.phases.teardown import HardDeadline, TeardownPhase

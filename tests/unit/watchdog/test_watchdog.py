@@ -14,7 +14,7 @@ import pytest
 
 from lifecycle.distributed.groups import ResolvedGroup
 from lifecycle.errors import HangError, PhaseError
-from lifecycle.launch.rundir import SHUTDOWN_MARKER
+from lifecycle.rundir import SHUTDOWN_MARKER
 from lifecycle.watchdog import causes, diagnosis, seqcheck
 from lifecycle.watchdog.causes import Cause
 from lifecycle.watchdog.sidechannel import SideChannel

@@ -30,8 +30,8 @@ import os
 import time
 from pathlib import Path
 
-from lifecycle import safeio
 from lifecycle.jsontypes import JsonDict
+from lifecycle.rundir import safeio
 
 RESOLVED = "policy.resolved.yaml"
 SHA256 = "policy.sha256"
@@ -276,5 +276,5 @@ def earlier_attempts(run_dir: Path) -> list[JsonDict]:
     return out
 
 
-# ---- one launcher per run directory: lifecycle.launch.runlock ------------------------------------------
+# ---- one launcher per run directory: lifecycle.rundir.runlock ------------------------------------------
 LOCK = ".lock"

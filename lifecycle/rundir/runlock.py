@@ -9,8 +9,7 @@ import os
 import time
 from pathlib import Path
 
-from lifecycle import safeio
-from lifecycle.launch.rundir import LOCK
+from lifecycle.rundir import LOCK, safeio
 
 
 class RunLock:
@@ -28,7 +27,7 @@ class RunLock:
         """The holder recorded by a launcher that is gone (its lock was taken over), else None."""
 
     def acquire(self) -> RunLock:
-        """Take the lock or raise :class:`~lifecycle.safeio.RunDirError` (exit 2) naming the live holder."""
+        """Take the lock or raise :class:`~lifecycle.rundir.safeio.RunDirError` (exit 2) naming the live holder."""
         import fcntl
         import socket
 

@@ -14,7 +14,7 @@ import os
 import time
 from pathlib import Path
 
-from lifecycle import safeio
+from lifecycle.rundir import safeio
 
 ENV = "TORCHELASTIC_ERROR_FILE"
 _recorded: list[Path] = []

@@ -16,13 +16,9 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from lifecycle import safeio
 from lifecycle.jsontypes import JsonDict
-
-if TYPE_CHECKING:
-    from lifecycle.policy.schema import Policy
+from lifecycle.rundir import safeio
 
 LEDGER = "restarts.jsonl"
 _MAX_BYTES = 1 << 20
@@ -117,13 +113,6 @@ def refusal(run_dir: Path, now_step: int | None, sha256: str, limit: int) -> str
             f"remove {Path(run_dir) / LEDGER})")
 
 
-def verdict(run_dir: Path, policy: Policy, sha256: str) -> tuple[str | None, int | None]:
-    """The line the next attempt of ``policy`` refuses to start with (or None), and the tracker's step it starts
-    from: what the local launcher asks before it starts ranks and rank 0 asks at init."""
-    step = tracker_step(checkpoint_dir(run_dir, policy.checkpoint.dir))
-    return refusal(run_dir, step, sha256, policy.restart.max_no_progress), step
-
-
 TRAINER_CHECKPOINTS = "trainer_checkpoints"
 """``<run_dir>/trainer_checkpoints``: the folder of a trainer's own commits (``job.checkpoint(n, path)`` commits its
 ``iter_NNNNNNN`` folders and trackers there, not in ``checkpoint.dir``): progress is read from its trackers."""
@@ -147,11 +136,3 @@ def checkpoint_dir(run_dir: Path, policy_dir: str | Path) -> Path:
     except safeio.RunDirError:
         text = None
     return Path(text.strip()) if text and text.strip() else Path(policy_dir)
-
-
-def tracker_step(folder: str | Path) -> int | None:
-    """The step the checkpoint tracker names now, or None (no checkpoint, or a tracker that cannot be used)."""
-    from lifecycle.checkpoint import ckptdir
-
-    tracker = ckptdir.read_tracker(Path(folder))
-    return ckptdir.step_of(tracker.name) if tracker.name else None

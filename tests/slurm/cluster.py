@@ -24,7 +24,7 @@ PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "sinfo")
 SBIN = "/usr/sbin:/sbin"
 UP_S = 60.0
-INSTALL_S = 240.0
+INSTALL_S = 100.0  # with the start and the first job inside that test's 180 s
 
 # One node that oversubscribes this machine's cores (CPUs=16 whatever it has, config_overrides: every test job runs at
 # once), no cgroups, no accounting. Finished jobs stay visible to scontrol for MinJobAge. OverTimeLimit=0: a time limit kills

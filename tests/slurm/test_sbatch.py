@@ -113,7 +113,7 @@ def _quiet(out: str) -> None:
     assert not noisy, noisy[:10]
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(180)  # the first test: also installs SLURM when missing (100 s at most) and starts it
 def test_a_clean_job_commits_in_the_jobs_run_directory_and_exits_0(jobs: Jobs) -> None:
     job = jobs.wait("clean")
     out, run_dir, job_id = jobs.out("clean"), jobs.run_dir("clean"), jobs.ids["clean"]

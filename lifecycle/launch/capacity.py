@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from lifecycle.errors import UsageError
-from lifecycle.launch import hostinfo
+from lifecycle.obs import hostinfo
 
 if TYPE_CHECKING:
     from lifecycle.policy.schema import Policy

@@ -41,7 +41,7 @@ ENV_PRELOAD = "LIFECYCLE_PRELOAD"
 READY_S = 120.0
 """How long the launcher waits for the preload process's imports (a cold shared file system can take a minute)."""
 
-TORCH = ("torch", "torch.distributed", "lifecycle.launch.worker", "lifecycle.machine.orchestrator")
+TORCH = ("torch", "torch.distributed", "lifecycle.launch.worker", "lifecycle.machine.session", "lifecycle.machine.orchestrator")
 MEGATRON = ("megatron.core", "megatron.core.models.gpt", "lifecycle.backends.megatron.parallel")
 
 

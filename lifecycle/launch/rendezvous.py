@@ -26,7 +26,7 @@ CONNECT_TIMEOUT_S = 5.0
 def check(rank: int, init_deadline_s: float, env: dict[str, str] | os._Environ[str] | None = None) -> None:
     """Rank 0: MASTER_PORT free on this host (UsageError). Other ranks: wait until rank 0's store accepts a connection
     at MASTER_ADDR:MASTER_PORT, at most ``init_deadline_s`` (HangError). Nothing under torchrun's agent store. The
-    variables were checked by :func:`lifecycle.launch.preflight.check_rendezvous_env`."""
+    variables were checked by :func:`lifecycle.machine.preflight.check_rendezvous_env`."""
     env = os.environ if env is None else env
     if env.get(AGENT_STORE_ENV) == "True":
         return

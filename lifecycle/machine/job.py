@@ -72,8 +72,8 @@ def attach(config_name: str | None = None, config_dir: str | Path | None = None,
     if _active is not None and not _active.closed:
         raise UsageError("lifecycle.attach() was called twice in this process: use the Job it returned (close() it "
                          "before attaching again)")
-    from lifecycle.launch.runner import prepare_rank_dir
-    from lifecycle.launch.worker import build_context
+    from lifecycle.machine.rankdir import prepare_rank_dir
+    from lifecycle.machine.session import build_context
     from lifecycle.policy.load import load
 
     rank, world, local_rank = _ranks()
@@ -107,7 +107,7 @@ def _ranks() -> tuple[int, int, int]:
     """(rank, world, local rank): from the live default group, else from the launcher's environment."""
     import torch.distributed as dist
 
-    from lifecycle.launch.preflight import check_rendezvous_env, rank_env
+    from lifecycle.machine.preflight import check_rendezvous_env, rank_env
 
     local = os.environ.get("LOCAL_RANK", "0")
     if dist.is_initialized():
@@ -125,7 +125,7 @@ def _ranks() -> tuple[int, int, int]:
 def _adopted_parallel(policy: Policy, world: int) -> ParallelState:
     """The model-parallel backend: megatron's live groups when the trainer made them (checked against the
     policy, the same on every rank: no collective, no hang), else what the policy's train kind asks for."""
-    from lifecycle.launch.worker import parallel_for
+    from lifecycle.machine.session import parallel_for
     from lifecycle.policy.checks import world_issues
 
     issues = world_issues(policy, world)
@@ -362,7 +362,7 @@ class Job:
 
     # ---- internals ---------------------------------------------------------------------------------------
     def _begin(self) -> None:
-        from lifecycle.launch.worker import install_signals, start_watchdog
+        from lifecycle.machine.session import install_signals, start_watchdog
 
         if threading.current_thread() is threading.main_thread():
             self._restore_signals = install_signals(self.ctx, self.machine, own_loop=True)
@@ -494,7 +494,7 @@ class Job:
         if self.ctx.watchdog is not None:
             self.ctx.watchdog.stop()
         if self.ctx.rank == 0:
-            from lifecycle.launch.runner import release_run_dir
+            from lifecycle.machine.rankdir import release_run_dir
 
             _write_summary(self.ctx, failed=failed)
             release_run_dir(self.ctx.run_dir)
@@ -594,9 +594,9 @@ def _zero_token_guard(ctx: RunContext, loop: StepLoop, chunks: list[Module]) -> 
 def _write_summary(ctx: RunContext, *, failed: bool = False) -> None:
     """Rank 0, after its own exit event: wait (bounded) for every rank's, then summary.json and the timeline (not
     drawn after a failure: the exit code is not held back for a picture)."""
-    from lifecycle.launch.runner import _timeline
     from lifecycle.obs import summary
     from lifecycle.obs.events import read_events
+    from lifecycle.obs.timeline import end_of_job
 
     ends = time.monotonic() + (FAILED_SUMMARY_WAIT_S if failed else SUMMARY_WAIT_S)
     while time.monotonic() < ends:
@@ -610,6 +610,6 @@ def _write_summary(ctx: RunContext, *, failed: bool = False) -> None:
         if failed:
             print(f"trace    not drawn after a failure: `lifecycle timeline {ctx.run_dir}` draws it", flush=True)
         else:
-            _timeline(ctx.run_dir)
+            end_of_job(ctx.run_dir)
     except Exception as exc:  # noqa: BLE001 - a report must not fail a finished run
         log.warning("summary not written: %s", exc)

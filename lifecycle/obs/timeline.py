@@ -391,3 +391,26 @@ def _report(problems: list[str], limit: int = 10) -> None:
 def _title(run_dir: Path, meta: dict[str, Any]) -> str:
     outcome = meta.get("outcome")
     return f"{run_dir.resolve().name}" + (f": {outcome}" if outcome else "")
+
+
+END_OF_JOB_TIMELINE_BYTES = 32 << 20
+"""Event files larger than this in all (about 150,000 events) are not drawn at the end of a job: the picture must
+not delay the exit code by more than a few seconds. ``lifecycle timeline RUN_DIR`` draws them on demand."""
+
+
+def end_of_job(run_dir: Path) -> None:
+    """The merged trace (and the PNG when matplotlib is installed); never changes the run's exit code."""
+    import logging
+
+    try:
+        size = sum(p.stat().st_size for p in (run_dir / "events").glob("rank_*.jsonl") if p.is_file())
+    except OSError:
+        size = 0
+    if size > END_OF_JOB_TIMELINE_BYTES:
+        print(f"trace    skipped at the end of the job: {size >> 20} MiB of events; draw it with `lifecycle "
+              f"timeline {run_dir}`", flush=True)
+        return
+    try:
+        main(run_dir)
+    except Exception as exc:  # noqa: BLE001 - a picture must not fail a finished run
+        logging.getLogger(__name__).warning("timeline not written: %s", exc)

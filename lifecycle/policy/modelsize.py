@@ -12,7 +12,7 @@ from __future__ import annotations
 from pydantic import BaseModel
 
 from lifecycle.errors import PolicyIssue
-from lifecycle.launch.hostinfo import fmt_bytes, memory_bytes
+from lifecycle.obs.hostinfo import fmt_bytes, memory_bytes
 from lifecycle.policy.sections import ParallelismConfig
 
 MAX_RANK_BYTES = 1 << 40

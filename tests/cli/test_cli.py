@@ -148,7 +148,7 @@ def test_a_communicator_budget_below_the_estimate_stops_the_run_before_any_rank_
     assert "over the budget; largest: " in proc.stderr and "NCCL_BUFFSIZE" in proc.stderr
     assert "Traceback" not in proc.stderr and not (run_dir / "events").exists()  # no rank started
     # Smaller buffers and channels bring the same job under the same budget (validated, not run here).
-    from lifecycle.launch.preflight import check_comm_budget
+    from lifecycle.machine.preflight import check_comm_budget
     from lifecycle.policy.load import validate
 
     small = validate({"distributed": {"comm_memory_budget_gib": 0.5, "backend": "nccl",

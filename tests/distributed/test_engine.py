@@ -99,7 +99,7 @@ _NO_MEGATRON = """
 import sys
 from pathlib import Path
 from lifecycle.policy.load import validate, write_resolved
-from lifecycle.launch.worker import run_rank
+from lifecycle.machine.session import run_rank
 run_dir = Path(sys.argv[1])
 write_resolved(validate({"run": {"dir": str(run_dir), "id": "t"}, "train": {"kind": "synthetic", "steps": 4},
                          "checkpoint": {"every_steps": 2}, "moe": {"zero_token": {"action": "off"}},

@@ -10,7 +10,7 @@ import pytest
 
 from lifecycle.checkpoint import ckptdir
 from lifecycle.errors import CheckpointError, PolicyError, UsageError
-from lifecycle.launch.preflight import check_dirs, check_resume, dir_problem, rank_env
+from lifecycle.machine.preflight import check_dirs, check_resume, dir_problem, rank_env
 
 
 def test_a_writable_folder_passes_and_is_created(tmp_path: Path) -> None:
@@ -136,7 +136,7 @@ def test_prune_keeps_the_tracker_and_protected_and_counts_only_complete(tmp_path
 ])
 def test_megatron_layout_rules_at_the_launch_world_size_are_checked_before_launch(
         tmp_path: Path, overrides: list[str], key: str) -> None:
-    from lifecycle.launch.runner import preflight
+    from lifecycle.machine.rankdir import preflight
     from lifecycle.policy.load import load
 
     policy = load([*overrides, f"run.dir={tmp_path / 'run'}", "train.options.num_layers=4"]).policy
@@ -147,7 +147,7 @@ def test_megatron_layout_rules_at_the_launch_world_size_are_checked_before_launc
 
 
 def test_places_a_run_must_not_take(tmp_path: Path) -> None:
-    from lifecycle.launch.preflight import place_problem
+    from lifecycle.machine.preflight import place_problem
 
     assert place_problem(str(tmp_path / "run"), str(tmp_path / "run" / "checkpoints")) == []
     assert place_problem(str(tmp_path / "run"), str(tmp_path / "elsewhere")) == []
@@ -160,7 +160,7 @@ def test_places_a_run_must_not_take(tmp_path: Path) -> None:
 
 
 def test_a_foreign_folder_is_refused_unless_adopted(tmp_path: Path) -> None:
-    from lifecycle.launch.preflight import check_owner, mark_owner
+    from lifecycle.machine.preflight import check_owner, mark_owner
 
     check_owner(str(tmp_path / "missing"), False)
     check_owner(str(tmp_path), False)  # empty
@@ -173,7 +173,7 @@ def test_a_foreign_folder_is_refused_unless_adopted(tmp_path: Path) -> None:
 
 
 def test_the_rendezvous_environment_is_checked() -> None:
-    from lifecycle.launch.preflight import check_rendezvous_env
+    from lifecycle.machine.preflight import check_rendezvous_env
 
     check_rendezvous_env({"MASTER_ADDR": "h", "MASTER_PORT": "29500"})
     for env, needle in (({"MASTER_PORT": "1"}, "MASTER_ADDR is not set"),
@@ -212,7 +212,7 @@ def test_one_launcher_holds_a_run_directory(tmp_path: Path) -> None:
 
 def test_files_a_starting_peer_writes_do_not_make_the_folder_foreign(tmp_path: Path) -> None:
     """Under torchrun the other ranks create their event files before rank 0 looks; anything else still counts."""
-    from lifecycle.launch.preflight import check_owner
+    from lifecycle.machine.preflight import check_owner
 
     (tmp_path / "events").mkdir()
     (tmp_path / "events" / "rank_3.jsonl").write_text("")

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from lifecycle.launch.runner import END_OF_JOB_TIMELINE_BYTES, _timeline
+from lifecycle.obs.timeline import END_OF_JOB_TIMELINE_BYTES
+from lifecycle.obs.timeline import end_of_job as _timeline
 
 
 def test_a_large_run_is_not_drawn_at_the_end_of_the_job(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

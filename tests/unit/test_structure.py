@@ -195,6 +195,17 @@ def test_only_a_handful_of_modules_sit_at_the_top() -> None:
     assert top == ["__init__", "__main__", "cli", "context", "errors", "jsontypes"], top
 
 
+def test_only_the_command_line_reaches_into_launch() -> None:
+    """``launch/`` starts processes and nothing else: the engine (machine, phases, watchdog, ...) never imports it;
+    a rank's run is assembled by ``machine/session.py`` for ``lifecycle run`` and ``attach()`` alike."""
+    graph = _graph(type_checking=True)
+    into = {m: sorted(t for t in targets if t.startswith("lifecycle.launch"))
+            for m, targets in graph.items() if not m.startswith("lifecycle.launch") and m != "lifecycle.cli"}
+    assert not {m: t for m, t in into.items() if t}, into
+    assert "lifecycle.machine.session" in graph["lifecycle.launch.worker"]
+    assert "lifecycle.machine.session" in graph["lifecycle.machine.job"]
+
+
 def test_the_run_directory_floor_imports_nothing_above_it() -> None:
     """``lifecycle.rundir`` (the run directory's files, restarts ledger, lock, elastic error files, safe I/O) stands
     on errors and jsontypes only, type hints included: every layer above may use it, it uses none of them."""

@@ -13,7 +13,7 @@ import pytest
 
 from lifecycle import rundir
 from lifecycle.errors import UsageError
-from lifecycle.launch.worker import rank_env, run_rank
+from lifecycle.machine.session import rank_env, run_rank
 from lifecycle.obs.events import read_events
 from lifecycle.policy.load import validate, write_resolved
 from tests._dist import free_port

@@ -47,7 +47,7 @@ def test_a_scheduler_lead_shorter_than_the_save_and_exit_is_refused_naming_the_k
 
 
 def test_a_grace_shorter_than_the_runs_last_save_is_refused_before_launch(tmp_path: Path) -> None:
-    from lifecycle.launch.runner import preflight
+    from lifecycle.machine.rankdir import preflight
 
     run = tmp_path / "run"
     run.mkdir()

@@ -16,7 +16,7 @@ import os
 import signal
 from collections.abc import Callable
 from pathlib import Path
-from types import FrameType
+from types import FrameType, ModuleType
 from typing import TYPE_CHECKING
 
 from lifecycle import rundir
@@ -129,13 +129,18 @@ def next_attempt(ctx: RunContext, restart: InProcessRestart) -> RunContext:
     gc.collect()  # the failed attempt's model and optimizer (held in cycles with its error) before the next ones
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
+    left = _left_alive(torch)
+    if left["modules"]:
+        log.warning("the failed attempt left %d module(s) alive (%d parameter bytes): the next model is built beside "
+                    "them", left["modules"], left["param_bytes"])
     policy, attempt = ctx.policy, restart.attempt + 1
-    left = ctx.restarts_left - 1
-    ctx.events.instant("restart_in_process", failed_attempt=restart.attempt, attempt=attempt,
+    restarts_left = ctx.restarts_left - 1
+    ctx.events.instant("restart_in_process", left_alive_modules=left["modules"],
+                       left_alive_param_bytes=left["param_bytes"], failed_attempt=restart.attempt, attempt=attempt,
                        exit_code=restart.exit_code, error=restart.error, cause=restart.cause,
                        culprits=restart.culprits, failed_phase=restart.phase, last_step=restart.step,
                        resumed_from=ctx.resumed_from, failed_at=restart.failed_at, report_s=restart.report_s,
-                       destroy_s=restart.destroy_s, agree_s=restart.agree_s, pid=os.getpid(), restarts_left=left)
+                       destroy_s=restart.destroy_s, agree_s=restart.agree_s, pid=os.getpid(), restarts_left=restarts_left)
     if ctx.rank == 0:
         if ctx.started_attempt:
             restarts.record_end(ctx.run_dir, restart.attempt, restart.exit_code)
@@ -143,7 +148,7 @@ def next_attempt(ctx: RunContext, restart: InProcessRestart) -> RunContext:
         rundir.keep_report(ctx.run_dir, restart.attempt)
         who = (f"ranks {fmt_ranks(restart.culprits)} ({restart.cause} in phase {restart.phase})" if restart.culprits
                else f"{restart.error} in phase {restart.phase}")
-        done = policy.restart.max_restarts - left
+        done = policy.restart.max_restarts - restarts_left
         print(f"restart  attempt {restart.attempt} failed (exit {restart.exit_code}): {who}; in-process restart "
               f"{done} of {policy.restart.max_restarts}: the same processes re-create their groups and resume from "
               f"the last committed checkpoint", flush=True)
@@ -151,10 +156,27 @@ def next_attempt(ctx: RunContext, restart: InProcessRestart) -> RunContext:
     drills = _drills(policy, ctx.rank, ctx.events, attempt)
     drills.held = ctx.drills.held
     new = RunContext(policy, ctx.run_dir, ctx.rank, ctx.world_size, ctx.local_rank, ctx.events, drills,
-                     ctx.parallel, attempt=attempt, restarts_left=left, restart_round=ctx.restart_round + 1,
+                     ctx.parallel, attempt=attempt, restarts_left=restarts_left, restart_round=ctx.restart_round + 1,
                      restart_base=restart.base)
     new.stop.preempt_signal = ctx.stop.preempt_signal  # a preemption that arrived meanwhile still saves and stops
     return new
+
+
+def _left_alive(torch: ModuleType) -> dict[str, int]:
+    """What of a failed attempt is still alive after a full collection, before the next one is built: modules and
+    the bytes of their parameters (a restart in place must not build its model beside the old one)."""
+    import gc
+
+    module_type = torch.nn.Module
+    modules = [o for o in gc.get_objects() if issubclass(type(o), module_type)]
+    seen: set[int] = set()
+    size = 0
+    for m in modules:
+        for p in m.parameters(recurse=False):
+            if id(p) not in seen:
+                seen.add(id(p))
+                size += p.numel() * p.element_size()
+    return {"modules": len(modules), "param_bytes": size}
 
 
 def build_context(policy: Policy, run_dir: Path, rank: int, world: int, local_rank: int,

@@ -128,7 +128,32 @@ class MegatronGPTStep(TorchDistCheckpoints):
             from lifecycle.backends.megatron import comm_events
 
             comm_events.set_recorder(None)
+            release_chunks(self.state.chunks)
         self.state = None
+
+
+def release_chunks(chunks: list[Any]) -> None:
+    """Break what keeps a dropped model alive: Megatron's DDP registers a backward hook on each parameter's
+    gradient-accumulator node (``grad_accs``) that holds the DDP module and the parameter; the node lives in C++ as
+    long as its parameter does, so the cycle is one the garbage collector cannot see, and an in-process restart would
+    build its model beside the old one. The hooks are removed (a handle of the node's own hook dictionary, taken by
+    registering a no-op hook, clears it) and the list dropped; the model is not used again."""
+    for chunk in chunks:
+        accs = getattr(chunk, "grad_accs", None)
+        if not isinstance(accs, list):
+            continue
+        for node in accs:
+            try:
+                hooks = node.register_hook(_no_hook).hooks_dict_ref()
+            except (AttributeError, RuntimeError, TypeError):
+                continue
+            if hooks is not None:
+                hooks.clear()
+        accs.clear()
+
+
+def _no_hook(*_: Any) -> None:
+    return None
 
 
 def record_collectives(ctx: StepContext) -> None:

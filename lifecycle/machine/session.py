@@ -136,7 +136,8 @@ def next_attempt(ctx: RunContext, restart: InProcessRestart) -> RunContext:
     policy, attempt = ctx.policy, restart.attempt + 1
     restarts_left = ctx.restarts_left - 1
     ctx.events.instant("restart_in_process", left_alive_modules=left["modules"],
-                       left_alive_param_bytes=left["param_bytes"], failed_attempt=restart.attempt, attempt=attempt,
+                       left_alive_param_bytes=left["param_bytes"], rss_bytes=left["rss_bytes"] or None,
+                       failed_attempt=restart.attempt, attempt=attempt,
                        exit_code=restart.exit_code, error=restart.error, cause=restart.cause,
                        culprits=restart.culprits, failed_phase=restart.phase, last_step=restart.step,
                        resumed_from=ctx.resumed_from, failed_at=restart.failed_at, report_s=restart.report_s,
@@ -176,7 +177,16 @@ def _left_alive(torch: ModuleType) -> dict[str, int]:
             if id(p) not in seen:
                 seen.add(id(p))
                 size += p.numel() * p.element_size()
-    return {"modules": len(modules), "param_bytes": size}
+    return {"modules": len(modules), "param_bytes": size, "rss_bytes": _rss_bytes()}
+
+
+def _rss_bytes() -> int:
+    """This process's resident memory now (Linux /proc; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def build_context(policy: Policy, run_dir: Path, rank: int, world: int, local_rank: int,

@@ -104,8 +104,11 @@ def launch_local(argv: list[str], nproc: int, run_dir: Path, *, env: dict[str, s
     if zygote is not None:
         why = zygote.wait_ready(preload_mod.READY_S)
         if why is None:
-            return _launch_forked(zygote, argv, envs, logs, console, run_dir, kill_grace_s, preempt_grace_s,
-                                  poll_s, start, store)
+            try:
+                return _launch_forked(zygote, argv, envs, logs, console, run_dir, kill_grace_s, preempt_grace_s,
+                                      poll_s, start)
+            finally:
+                del store  # the store server lives exactly as long as the ranks
         print(f"lifecycle: the ranks' preload process did not start ({why}); starting each rank by itself",
               file=sys.stderr, flush=True)
     from torch.distributed.elastic.multiprocessing import start_processes
@@ -118,16 +121,23 @@ def launch_local(argv: list[str], nproc: int, run_dir: Path, *, env: dict[str, s
                 logs_specs=_rank_logs(run_dir / rundir.LOGS_DIR, logs, console),
                 log_line_prefixes=dict.fromkeys(console, ""),  # worker log lines carry their own [rank N]
             )
-        job: _Job | None = None
         try:
             trap.arm()  # PContext.start replaced SIGHUP/SIGQUIT's handlers with ones that raise
-            job = _Job({r: h.proc for r, h in pc.subprocess_handlers.items()}, trap, poll_s)
-            return job.run(run_dir, kill_grace_s, preempt_grace_s, start)
+            return _watch({r: h.proc for r, h in pc.subprocess_handlers.items()}, trap, run_dir, kill_grace_s,
+                          preempt_grace_s, poll_s, start)
         finally:
-            if job is not None:
-                job.kill_all()
             pc.close(timeout=1)  # normally all reaped by now: this only stops the log tailers
             del store  # the store server lives exactly as long as the ranks
+
+
+def _watch(procs: dict[int, Any], trap: SignalTrap, run_dir: Path, kill_grace_s: float, preempt_grace_s: float,
+           poll_s: float, start: float) -> LaunchResult:
+    """Monitor the started ranks to the end; whatever happens, none is left alive."""
+    job = _Job(procs, trap, poll_s)
+    try:
+        return job.run(run_dir, kill_grace_s, preempt_grace_s, start)
+    finally:
+        job.kill_all()
 
 
 def _zygote(argv: list[str], run_dir: Path, preload: Sequence[str] | None,
@@ -142,13 +152,13 @@ def _zygote(argv: list[str], run_dir: Path, preload: Sequence[str] | None,
 
 def _launch_forked(zygote: preload_mod.Zygote, argv: list[str], envs: dict[int, dict[str, str]],
                    logs: dict[int, Path], console: set[int], run_dir: Path, kill_grace_s: float,
-                   preempt_grace_s: float, poll_s: float, start: float, store: Any) -> LaunchResult:
+                   preempt_grace_s: float, poll_s: float, start: float) -> LaunchResult:
     """:func:`launch_local` with ranks forked from the preload process (the same monitoring and shutdown)."""
     from torch.distributed.elastic.multiprocessing.tail_log import TailLog
 
     tail = TailLog("lifecycle", {r: str(logs[r]) for r in sorted(console) if r in logs}, sys.stdout,
                    dict.fromkeys(console, ""))
-    job: _Job | None = None
+    started = False
     with SignalTrap() as trap:
         try:
             procs: dict[int, Any] = {}
@@ -158,14 +168,11 @@ def _launch_forked(zygote: preload_mod.Zygote, argv: list[str], envs: dict[int, 
                 procs[r] = zygote.fork(r, argv, full, logs[r])
             tail.start()
             trap.arm()
-            job = _Job(procs, trap, poll_s)
-            return job.run(run_dir, kill_grace_s, preempt_grace_s, start)
+            started = True
+            return _watch(procs, trap, run_dir, kill_grace_s, preempt_grace_s, poll_s, start)
         finally:
-            if job is not None:
-                job.kill_all()
-            zygote.close(kill=job is None)
+            zygote.close(kill=not started)  # ranks forked before a failed fork die with it (parent-death signal)
             tail.stop()
-            del store  # the store server lives exactly as long as the ranks
 
 
 class _Job:

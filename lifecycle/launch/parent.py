@@ -29,10 +29,16 @@ def die_with_launcher() -> bool:
         launcher = os.getppid()  # torchrun's agent started this worker
     else:
         return False
+    return die_with(launcher)
+
+
+def die_with(parent: int) -> bool:
+    """Bind this process's life to ``parent``'s, which must be its parent: SIGKILL the moment it exits. True when
+    bound (Linux); a process whose parent is already gone exits 1 here with one line."""
     if not _set_pdeathsig(signal.SIGKILL):
         return False
-    if os.getppid() != launcher:  # it died between our fork and the prctl: the signal will never come
-        print(f"[rank {os.environ.get('RANK', '?')}] lifecycle: the launcher (pid {launcher}) is gone before this "
+    if os.getppid() != parent:  # it died between our fork and the prctl: the signal will never come
+        print(f"[rank {os.environ.get('RANK', '?')}] lifecycle: the launcher (pid {parent}) is gone before this "
               f"rank started; leaving", file=sys.stderr, flush=True)
         os._exit(1)
     return True

@@ -71,7 +71,9 @@ class Forked:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise subprocess.TimeoutExpired([str(self.pid)], timeout or 0.0)
-                self._zygote.changed.wait(left)
+                # Woken by a status line; a rank that outlives its reported end (the preload process gone, the
+                # parent-death signal on its way) is looked at again every 0.1 s.
+                self._zygote.changed.wait(0.1 if left is None else min(left, 0.1))
         assert self.returncode is not None
         return self.returncode
 
@@ -189,7 +191,10 @@ def _child(request: dict[str, Any], keep_closed: Sequence[int]) -> None:
 
     code = 1
     try:
+        from lifecycle.launch.parent import die_with
+
         os.setsid()
+        die_with(int(request["env"][_launcher_env()]))  # from the first instruction, whatever module runs
         fd = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(fd, 1)
         os.dup2(fd, 2)

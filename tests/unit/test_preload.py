@@ -56,3 +56,25 @@ def test_a_forked_rank_is_named_after_its_rank(tmp_path: Path) -> None:
     finally:
         z.close()
     assert "comm=lifecycle-rank3" in (tmp_path / "r3.log").read_text()
+
+
+def test_a_rank_dies_with_a_killed_preload_process_and_reads_as_killed(tmp_path: Path) -> None:
+    import signal
+
+    z = _zygote(tmp_path)
+    try:
+        assert z.wait_ready(30) is None
+        sleeper = ["python", "-m", "timeit", "-n1", "-r1", "import time; time.sleep(60)"]
+        rank = z.fork(0, sleeper, dict(os.environ), tmp_path / "r0.log")
+        assert rank.poll() is None
+        os.kill(z.proc.pid, signal.SIGKILL)  # from outside: the preload process itself
+        assert rank.wait(20) == -signal.SIGKILL  # the parent-death signal took the rank down with it
+        for _ in range(100):  # reaped by init: gone within moments
+            if not os.path.exists(f"/proc/{rank.pid}"):
+                break
+            import time
+
+            time.sleep(0.05)
+        assert not os.path.exists(f"/proc/{rank.pid}")
+    finally:
+        z.close(kill=True)

@@ -163,6 +163,7 @@ class Orchestrator:
 
     def fail(self, exc: BaseException) -> int:
         """The failure edge for ``exc``; the policy's exit code."""
+        self.error = exc  # first: from here a launcher's SIGTERM does not raise (it did in _explained: no exit event)
         exc = self._explained(exc)
         try:
             return self._fail(exc)

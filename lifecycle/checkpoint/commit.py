@@ -84,7 +84,7 @@ def save(ctx: RunContext, reason: str) -> None:
     at the same step boundary, in the checkpoint phase."""
     from lifecycle.distributed.barrier import store_barrier
 
-    if ctx.pending_save is not None:
+    if ctx.progress.pending_save is not None:
         finish_pending(ctx)
     if reason == ASYNC_COMMIT:
         return
@@ -94,7 +94,7 @@ def save(ctx: RunContext, reason: str) -> None:
     final = root / ckptdir.iter_name(ctx.step)
     tmp = root / (final.name + ".tmp")
     ctx.drills.fire("checkpoint", step=ctx.step, op="save")
-    key = ctx.next_key("ckpt/prepare")
+    key = ctx.ops.next_key("ckpt/prepare")
     if ctx.rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # a torn save from an earlier, crashed run
@@ -109,8 +109,8 @@ def save(ctx: RunContext, reason: str) -> None:
         with ctx.events.span("save", step=ctx.step, reason=reason, path=str(final)) as extra:
             handle = step_handler(ctx).begin_save(ctx, tmp)
             extra["host_copy"] = getattr(handle, "host_copy", None)
-        ctx.observe("checkpoint", time.monotonic() - t0)
-        ctx.pending_save = PendingSave(handle, ctx.step, tmp, final, reason)
+        ctx.deadlines.observe("checkpoint", time.monotonic() - t0)
+        ctx.progress.pending_save = PendingSave(handle, ctx.step, tmp, final, reason)
         if not ctx.policy.checkpoint.async_:
             finish_pending(ctx)
 
@@ -119,11 +119,11 @@ def finish_pending(ctx: RunContext) -> None:
     """Wait for every rank's writes, then commit on rank 0. Every rank calls it at the same point."""
     from lifecycle.distributed.barrier import store_barrier
 
-    pending, ctx.pending_save = ctx.pending_save, None
+    pending, ctx.progress.pending_save = ctx.progress.pending_save, None
     if pending is None:
         return
     deadline = ctx.deadline("checkpoint")
-    key = ctx.next_key(f"ckpt/{pending.step}")
+    key = ctx.ops.next_key(f"ckpt/{pending.step}")
     ctx.drills.fire("checkpoint", step=pending.step, op="commit")
     t0 = time.monotonic()
     with ctx.events.span("commit", step=pending.step, path=str(pending.final)) as extra:
@@ -134,7 +134,7 @@ def finish_pending(ctx: RunContext) -> None:
             with ctx.events.span("barrier:ckpt_written", group="world", via="store"):
                 store_barrier(ctx.require_store(), f"{key}/written", ctx.rank, _all_ranks(ctx), deadline,
                               phase="checkpoint", group="world")
-        ctx.observe("checkpoint", time.monotonic() - t0)  # the wait for every rank's writes: the long part
+        ctx.deadlines.observe("checkpoint", time.monotonic() - t0)  # the wait for every rank's writes: the long part
         sha256 = digest_shares(ctx, pending.tmp, key, deadline)
         if ctx.rank == 0:
             try:
@@ -149,7 +149,7 @@ def finish_pending(ctx: RunContext) -> None:
             store_barrier(ctx.require_store(), f"{key}/committed", ctx.rank, _all_ranks(ctx), deadline,
                           phase="checkpoint", group="world")
         extra["write_s"] = pending.handle.write_s
-    ctx.saved.append(str(pending.final))
+    ctx.progress.saved.append(str(pending.final))
     run_points(ctx, "after_checkpoint", deadline)
 
 
@@ -163,14 +163,14 @@ def _agree(ctx: RunContext, pending: PendingSave, key: str, deadline: float) -> 
 def _gloo_group(ctx: RunContext) -> ProcessGroup:
     """A dedicated gloo group over every rank for checkpoint coordination (created at first use,
     at the same save on every rank, with the checkpoint deadline as its timeout)."""
-    if ctx.ckpt_group is None:
+    if ctx.comms.ckpt_group is None:
         import datetime
 
         import torch.distributed as dist
 
-        ctx.ckpt_group = dist.new_group(backend="gloo",
+        ctx.comms.ckpt_group = dist.new_group(backend="gloo",
                                         timeout=datetime.timedelta(seconds=ctx.deadline("checkpoint")))
-    return ctx.ckpt_group
+    return ctx.comms.ckpt_group
 
 
 def digest_shares(ctx: RunContext, folder: Path, key: str, deadline: float) -> dict[str, str] | None:
@@ -242,7 +242,7 @@ def _commit(ctx: RunContext, pending: PendingSave, sha256: dict[str, str] | None
     os.replace(pending.tmp, pending.final)
     ckptdir.fsync_dir(root)
     ckptdir.write_tracker(root, pending.step)
-    protect = {ckptdir.iter_name(ctx.resumed_from)} if ctx.resumed_from is not None else set()
+    protect = {ckptdir.iter_name(ctx.progress.resumed_from)} if ctx.progress.resumed_from is not None else set()
     pruned = ckptdir.prune(root, ctx.policy.checkpoint.keep_last, protect)
     log.info("checkpoint step %d committed: %s%s", pending.step, pending.final,
              f" (pruned {[p.name for p in pruned]})" if pruned else "")
@@ -268,10 +268,10 @@ class TrainerSave:
 
     def begin(self) -> None:
         ctx = self.ctx
-        if ctx.pending_save is not None:
+        if ctx.progress.pending_save is not None:
             finish_pending(ctx)
         self.machine.enter("checkpoint")
-        ctx.step = self.step
+        ctx.progress.step = self.step
         self.deadline = ctx.deadline("checkpoint")
         run_points(ctx, "before_checkpoint", self.deadline)
         ctx.drills.fire("checkpoint", step=self.step, op="save")
@@ -284,13 +284,13 @@ class TrainerSave:
         ctx, path = self.ctx, self.path
         ctx.events.emit("end", "save", step=self.step, reason="trainer", path=str(path or ""),
                         dur_us=int((time.monotonic() - self._t0) * 1e6), outcome="ok")
-        key = ctx.next_key(f"ckpt/trainer/{self.step}")
+        key = ctx.ops.next_key(f"ckpt/trainer/{self.step}")
         ctx.drills.fire("checkpoint", step=self.step, op="commit")
         with ctx.events.span("commit", step=self.step, path=str(path or "")):
             with ctx.events.span("barrier:ckpt_written", group="world", via="store"):
                 store_barrier(ctx.require_store(), key, ctx.rank, _all_ranks(ctx), self.deadline,
                               phase="checkpoint", group="world")
-            ctx.observe("checkpoint", time.monotonic() - self._t0)
+            ctx.deadlines.observe("checkpoint", time.monotonic() - self._t0)
             sha256 = digest_shares(ctx, path, key, self.deadline) if path is not None else None
             if path is not None and ctx.rank == 0:
                 _fence(ctx, self.step)
@@ -304,7 +304,7 @@ class TrainerSave:
                 store_barrier(ctx.require_store(), f"{key}/committed", ctx.rank, _all_ranks(ctx), self.deadline,
                               phase="checkpoint", group="world")
         if path is not None:
-            ctx.saved.append(str(path))
+            ctx.progress.saved.append(str(path))
         run_points(ctx, "after_checkpoint", self.deadline)
         self.machine.enter("train")
 

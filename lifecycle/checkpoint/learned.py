@@ -35,10 +35,10 @@ def _layout(ctx: RunContext) -> JsonDict:
 
 def write(ctx: RunContext, folder: Path) -> bool:
     """Rank 0, before the manifest: the learned state into ``folder`` (nothing when no deadline is ``auto``)."""
-    if not ctx.adaptive:
+    if not ctx.deadlines.learned:
         return False
     data = {"format": FORMAT, "attempt": ctx.attempt, "step": ctx.step, "layout": _layout(ctx),
-            "deadlines": {phase: model.state() for phase, model in ctx.adaptive.items()}}
+            "deadlines": {phase: model.state() for phase, model in ctx.deadlines.learned.items()}}
     safeio.write_text(folder / NAME, json.dumps(data, indent=1) + "\n", fsync=True)
     return True
 
@@ -46,7 +46,7 @@ def write(ctx: RunContext, folder: Path) -> bool:
 def load(ctx: RunContext, folder: Path) -> None:
     """Every rank, after the resume loaded ``folder``: continue the adaptive deadlines from what was learned, or
     say why they start over (a ``deadline`` event per phase either way)."""
-    if not ctx.adaptive:
+    if not ctx.deadlines.learned:
         return
     data = safeio.try_json(folder / NAME, limit=1 << 22)
     if not isinstance(data, dict) or data.get("format") != FORMAT:
@@ -54,17 +54,17 @@ def load(ctx: RunContext, folder: Path) -> None:
     source = f"{folder.name} (learned in attempt {data.get('attempt')})"
     then, now = data.get("layout"), _layout(ctx)
     saved = data.get("deadlines") if isinstance(data.get("deadlines"), dict) else {}
-    for phase, model in ctx.adaptive.items():
-        state = saved.get(phase) if isinstance(saved, dict) else None
+    for phase, model in ctx.deadlines.learned.items():
+        state = saved.get(phase, saved.get("train") if phase == "step" else None) if isinstance(saved, dict) else None
         if then != now:
             how = (f"static {model.static_s:g}s: the deadline learned in {source} was for {_fmt(then)}, this run is "
                    f"{_fmt(now)}; recalibrating")
-            ctx.events.instant("deadline", deadline_phase=phase, seconds=model.static_s, how=how, adaptive=False,
+            ctx.events.instant("deadline", deadline=phase, seconds=model.static_s, how=how, adaptive=False,
                                source="static")
             log.warning("%s deadline: %s", phase, how)
             continue
         if isinstance(state, dict) and model.restore(state, source):
-            ctx.events.instant("deadline", deadline_phase=phase, seconds=round(model.effective(), 4),
+            ctx.events.instant("deadline", deadline=phase, seconds=round(model.effective(), 4),
                                how=model.derivation().text, adaptive=True, source="checkpoint")
 
 

@@ -36,11 +36,11 @@ def _try_load(ctx: RunContext, path: Path) -> str | None:
             loaded = int(step_handler(ctx).load(ctx, path))
             if not 0 <= loaded <= binding.MAX_STEP:
                 raise ValueError(f"the files hold step {loaded}, which no run reaches (forged or corrupted)")
-            ctx.step = loaded
+            ctx.progress.step = loaded
     except BaseException as exc:  # noqa: BLE001 - see the docstring
         if _is_interrupt(exc):
             raise
-        ctx.step = before
+        ctx.progress.step = before
         return _reason(exc)
     return None
 
@@ -100,7 +100,7 @@ def _agree_loaded(ctx: RunContext, failed: bool) -> tuple[list[int], dict[int, i
     work = dist.all_gather(out, mine, async_op=True)
     wait_works([work], "all_gather(resume ok)", "world", list(range(ctx.world_size)), ctx.deadline("checkpoint"),
                time.monotonic())
-    ctx.op_counts["world"] += 1
+    ctx.ops.count("world")
     rows = [t.cpu().tolist() for t in out]
     return [r for r, row in enumerate(rows) if int(row[0])], {r: int(row[1]) for r, row in enumerate(rows)}
 
@@ -183,7 +183,7 @@ def resume(ctx: RunContext) -> None:
         if why is None:
             _loaded(ctx, root, path, tracker, rejected)
             return
-        ctx.step = start
+        ctx.progress.step = start
         if moved and tried.loaded:
             raise CheckpointError(f"cannot resume from checkpoint {path} with what changed since it was written "
                                   f"({', '.join(moved)}): {why}. {_NOT_DAMAGE}", path=str(path), phase="train",
@@ -245,11 +245,11 @@ def _start_fresh(ctx: RunContext, root: Path, tracker: ckptdir.Tracker, rejected
 
 
 def _loaded(ctx: RunContext, root: Path, path: Path, tracker: ckptdir.Tracker, rejected: dict[str, str]) -> None:
-    ctx.resumed_from = ctx.step
+    ctx.progress.resumed_from = ctx.step
     if ctx.rank == 0:
         _set_aside(root, rejected, keep=path)
         if tracker.name != path.name or tracker.error is not None:
-            ckptdir.write_tracker(root, ctx.resumed_from)  # the tracker must name what is there and loads
+            ckptdir.write_tracker(root, ctx.progress.resumed_from)  # the tracker must name what is there and loads
         ckptdir.set_aside_untracked(root, path.name)
         again = f"attempt {ctx.attempt}: " if ctx.attempt > 1 else ""
         print(f"{again}resumed from step {ctx.step} ({path})", flush=True)

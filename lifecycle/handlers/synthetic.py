@@ -85,7 +85,7 @@ class SyntheticStep:
             # its own slice in the timeline, and where the watchdog sees a rank wait inside the step
             with ctx.span("grad_all_reduce", group="dp", size=len(self.ranks)):
                 work = dist.all_reduce(flat, group=self.group, async_op=True)
-                wait_s = wait_works([work], "all_reduce(grads)", "dp", self.ranks, ctx.deadline("train"),
+                wait_s = wait_works([work], "all_reduce(grads)", "dp", self.ranks, ctx.deadline("step"),
                                     time.monotonic())
             ctx.count_op("dp")
             flat /= len(self.ranks)

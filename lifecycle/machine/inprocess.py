@@ -73,7 +73,7 @@ def refusal(ctx: RunContext, phase: str | None, cause: str) -> str | None:
     recovered in place; None when it can."""
     if ctx.own_loop:
         return "a trainer's own loop (lifecycle.attach) holds its model and data loader: it restarts by relaunch"
-    if ctx.restarts_left <= 0:
+    if ctx.progress.restarts_left <= 0:
         return f"the restarts are spent (restart.max_restarts={ctx.policy.restart.max_restarts})"
     if phase not in PHASES:
         return f"it happened in phase {phase or 'init'}, where there is nothing to restart in place"

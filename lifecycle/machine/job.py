@@ -81,8 +81,7 @@ def attach(config_name: str | None = None, config_dir: str | Path | None = None,
     policy = load(every, config_dir=config_dir, config_name=config_name or "config", own_loop=True).policy
     parallel = _adopted_parallel(policy, world)
     path = prepare_rank_dir(policy, rank, world, every, hint="run_dir= or run.id=")
-    ctx = build_context(policy, path, rank, world, local_rank, parallel)
-    ctx.own_loop = True
+    ctx = build_context(policy, path, rank, world, local_rank, parallel, own_loop=True)
     _warn_fresh_run_dir(policy, rank, run_dir)
     job = Job(ctx)
     _active = job
@@ -195,12 +194,12 @@ class Job:
     @property
     def start_step(self) -> int:
         """The last step already done: 0 for a new run, the resumed checkpoint's step after ``watch``."""
-        return self.ctx.resumed_from or 0
+        return self.ctx.progress.resumed_from or 0
 
     @property
     def should_stop(self) -> bool:
         """Every rank agreed to stop (preemption): save and leave the loop."""
-        return self.ctx.stop.stop_step is not None
+        return self.ctx.progress.stop.stop_step is not None
 
     def watch(self, model: object, optimizer: object = None, *, checkpoints: bool = True) -> Job:
         """Guard the model's zero-token MoE ranks (``moe.zero_token``), record megatron DDP bucket collectives as
@@ -269,7 +268,7 @@ class Job:
             yield
         took = time.monotonic() - t0
         self.loop.outside_step_s += took
-        self.ctx.observe("eval", took)
+        self.ctx.deadlines.observe("eval", took)
 
     def boundary(self, n: int) -> Decision:
         """After step ``n`` on every rank: the stop flag, barrier points, lifecycle's checkpoint when one is due
@@ -279,7 +278,7 @@ class Job:
         if not self._started and not self._run(self._before_first_step):
             return Decision(save=False, stop=True)
         self._end_between()
-        self.ctx.step = n
+        self.ctx.progress.step = n
         decision = self._run(lambda: self.loop.boundary(self.ctx, n))
         decision = decision if decision is not None else Decision(False, False)
         if not decision.stop:  # what the trainer does until its next step is its own (logging, evaluation)
@@ -293,7 +292,7 @@ class Job:
             raise UsageError("job.save(): no model is watched for lifecycle's checkpoints; call job.watch(model, "
                              "optimizer) first, or wrap the trainer's own save in job.checkpoint(n, path)")
         if n is not None:
-            self.ctx.step = n
+            self.ctx.progress.step = n
         between = self._end_between()
         self._run(lambda: self.loop.save_now(self.ctx, "requested"))
         if between:
@@ -389,7 +388,7 @@ class Job:
             return False
         t0, self._between = self._between, None
         self.ctx.events.emit("end", BETWEEN, deadline="eval", dur_us=int((time.monotonic() - t0) * 1e6))
-        self.ctx.observe("eval", time.monotonic() - t0)
+        self.ctx.deadlines.observe("eval", time.monotonic() - t0)
         return True
 
     def _begin_between(self) -> None:
@@ -432,7 +431,7 @@ class Job:
         self.loop.start(self.ctx, None)  # job.steps(total) sets the last step; a trainer's own loop never says
         if self.ctx.policy.checkpoint.on_signal and agree_stop(self.ctx):
             log.warning("preemption signal before training: stopping without a checkpoint")
-            self.ctx.stop.stop_step = self.ctx.step
+            self.ctx.progress.stop.stop_step = self.ctx.step
             self.loop.stopped = True
             return False
         return True

@@ -126,7 +126,7 @@ class Orchestrator:
             code = self.exit_code(exc)
             log.warning("%s on rank %d in phase %s: %s", type(exc).__name__, ctx.rank, phase, exc,
                         exc_info=exc if kind == "failed" and not isinstance(exc, LifecycleError) else None)
-            base = ctx.store
+            base = ctx.comms.store
             report_s = time.monotonic() - t0
             refused = refused or self._drain_pending_save(bound - report_s)
             with ctx.events.span("restart:destroy", connections_cut=cut):  # in the policy's failure order
@@ -141,7 +141,7 @@ class Orchestrator:
                 why = inprocess.agree(ctx, base, refused, max(bound - report_s - destroy_s, 1.0)) if base is not None \
                     else refused
             if why is not None or base is None:
-                then = "leaving for a relaunch" if ctx.restarts_left > 0 else "leaving (no restarts left)"
+                then = "leaving for a relaunch" if ctx.progress.restarts_left > 0 else "leaving (no restarts left)"
                 print(f"[rank {ctx.rank}] restart in place not possible ({why}): {then}", flush=True)
                 ctx.events.instant("restart_refused", why=why)
                 return exc
@@ -183,7 +183,7 @@ class Orchestrator:
 
     def _drain_pending_save(self, seconds: float) -> str | None:
         """An async save still writing must finish before the next attempt saves the same step again; why not."""
-        pending, self.ctx.pending_save = self.ctx.pending_save, None
+        pending, self.ctx.progress.pending_save = self.ctx.progress.pending_save, None
         if pending is None:
             return None
         try:
@@ -257,11 +257,11 @@ class Orchestrator:
     def _finish(self, code: int) -> None:
         ctx = self.ctx
         self._end_current()
-        if ctx.rank == 0 and ctx.started_attempt:
+        if ctx.rank == 0 and ctx.progress.started_attempt:
             from lifecycle.rundir import restarts
 
             restarts.record_end(ctx.run_dir, ctx.attempt, code)
-        ctx.events.instant("exit", exit_code=code, step=ctx.step, saved=ctx.saved or None,
-                           resumed_from=ctx.resumed_from, stop_step=ctx.stop.stop_step,
-                           warmup_s=ctx.warmup_s or None)
+        ctx.events.instant("exit", exit_code=code, step=ctx.step, saved=ctx.progress.saved or None,
+                           resumed_from=ctx.progress.resumed_from, stop_step=ctx.progress.stop.stop_step,
+                           warmup_s=ctx.progress.warmup_s or None)
         ctx.events.close()

@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from types import FrameType, ModuleType
 from typing import TYPE_CHECKING
@@ -61,9 +62,9 @@ def install_signals(ctx: RunContext, orchestrator: Orchestrator, *, own_loop: bo
             if orchestrator.current == "teardown":
                 log.info("%s during teardown: ignored", name)
                 return
-            if ctx.stop.preempt_signal is None:
+            if ctx.progress.stop.preempt_signal is None:
                 log.warning("%s received: will save and stop at the next step boundary", name)
-            ctx.stop.preempt_signal = name
+            ctx.progress.stop.preempt_signal = name
         finally:
             previous = chained.get(signum)
             if previous is not None:
@@ -123,7 +124,7 @@ def next_attempt(ctx: RunContext, restart: InProcessRestart) -> RunContext:
 
     import torch
 
-    from lifecycle.context import RunContext
+    from lifecycle.context import Communicators, Progress, RunContext
     from lifecycle.rundir import restarts
 
     gc.collect()  # the failed attempt's model and optimizer (held in cycles with its error) before the next ones
@@ -134,16 +135,16 @@ def next_attempt(ctx: RunContext, restart: InProcessRestart) -> RunContext:
         log.warning("the failed attempt left %d module(s) alive (%d parameter bytes): the next model is built beside "
                     "them", left["modules"], left["param_bytes"])
     policy, attempt = ctx.policy, restart.attempt + 1
-    restarts_left = ctx.restarts_left - 1
+    restarts_left = ctx.progress.restarts_left - 1
     ctx.events.instant("restart_in_process", left_alive_modules=left["modules"],
                        left_alive_param_bytes=left["param_bytes"], rss_bytes=left["rss_bytes"] or None,
                        failed_attempt=restart.attempt, attempt=attempt,
                        exit_code=restart.exit_code, error=restart.error, cause=restart.cause,
                        culprits=restart.culprits, failed_phase=restart.phase, last_step=restart.step,
-                       resumed_from=ctx.resumed_from, failed_at=restart.failed_at, report_s=restart.report_s,
+                       resumed_from=ctx.progress.resumed_from, failed_at=restart.failed_at, report_s=restart.report_s,
                        destroy_s=restart.destroy_s, agree_s=restart.agree_s, pid=os.getpid(), restarts_left=restarts_left)
     if ctx.rank == 0:
-        if ctx.started_attempt:
+        if ctx.progress.started_attempt:
             restarts.record_end(ctx.run_dir, restart.attempt, restart.exit_code)
         rundir.record_attempt(ctx.run_dir, attempt)
         rundir.keep_report(ctx.run_dir, restart.attempt)
@@ -156,11 +157,11 @@ def next_attempt(ctx: RunContext, restart: InProcessRestart) -> RunContext:
     ctx.events.instant("attempt", attempt=attempt, world_size=ctx.world_size, in_process=True, pid=os.getpid())
     drills = _drills(policy, ctx.rank, ctx.events, attempt)
     drills.held = ctx.drills.held
-    new = RunContext(policy, ctx.run_dir, ctx.rank, ctx.world_size, ctx.local_rank, ctx.events, drills,
-                     ctx.parallel, attempt=attempt, restarts_left=restarts_left, restart_round=ctx.restart_round + 1,
-                     restart_base=restart.base)
-    new.stop.preempt_signal = ctx.stop.preempt_signal  # a preemption that arrived meanwhile still saves and stops
-    return new
+    progress = Progress(restarts_left=restarts_left)
+    progress.stop.preempt_signal = ctx.progress.stop.preempt_signal  # a preemption that arrived meanwhile still stops
+    return RunContext(replace(ctx.identity, policy=policy, attempt=attempt), ctx.events, drills, ctx.parallel,
+                      progress=progress,
+                      comms=Communicators(restart_round=ctx.comms.restart_round + 1, restart_base=restart.base))
 
 
 def _left_alive(torch: ModuleType) -> dict[str, int]:
@@ -190,7 +191,7 @@ def _rss_bytes() -> int:
 
 
 def build_context(policy: Policy, run_dir: Path, rank: int, world: int, local_rank: int,
-                  parallel: ParallelState) -> RunContext:
+                  parallel: ParallelState, *, own_loop: bool = False) -> RunContext:
     """This rank's context: its attempt, its event log (the ``attempt`` event first), the policy's drills."""
     from lifecycle.context import RunContext
     from lifecycle.obs.events import EventLog
@@ -198,8 +199,8 @@ def build_context(policy: Policy, run_dir: Path, rank: int, world: int, local_ra
     attempt = _attempt(run_dir, rank)
     events = EventLog(run_dir, rank, local_rank)
     events.instant("attempt", attempt=attempt, world_size=world, pid=os.getpid())
-    return RunContext(policy, run_dir, rank, world, local_rank, events, _drills(policy, rank, events, attempt),
-                      parallel, attempt=attempt, restarts_left=_restarts_left(policy))
+    return RunContext.of(policy, run_dir, rank, world, local_rank, events, _drills(policy, rank, events, attempt),
+                         parallel, attempt=attempt, own_loop=own_loop, restarts_left=_restarts_left(policy))
 
 
 def _drills(policy: Policy, rank: int, events: EventLog, attempt: int) -> Drills:
@@ -248,13 +249,12 @@ def start_watchdog(ctx: RunContext) -> None:
     from lifecycle.watchdog.seqcheck import SequenceCheck
 
     cfg = ctx.policy.watchdog
-    from lifecycle.context import ADAPTIVE
+    from lifecycle.context import ADAPTIVE, DeadlineBook
     from lifecycle.watchdog.adaptive import AdaptiveDeadline
     from lifecycle.watchdog.straggler import ComputeWindow
 
-    for phase in ADAPTIVE:
-        if ctx.policy.is_auto(phase):
-            ctx.adaptive[phase] = AdaptiveDeadline(phase, ctx.policy.deadline(phase), cfg.adaptive)
+    ctx.deadlines = DeadlineBook(ctx.policy, {key: AdaptiveDeadline(key, ctx.policy.deadline(key), cfg.adaptive)
+                                              for key in ADAPTIVE if ctx.policy.is_auto(key)})
     if cfg.straggler.action != "off":
         ctx.compute = ComputeWindow(cfg.straggler.window)
     if cfg.sequence_check:

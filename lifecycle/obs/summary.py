@@ -140,13 +140,14 @@ def zero_tokens(events: dict[int, list[dict[str, Any]]]) -> dict[int, int]:
 
 
 def _deadlines(events: dict[int, list[dict[str, Any]]]) -> dict[str, Any]:
-    """The adaptive deadlines as rank 0 last agreed them (``auto`` phases only): seconds and how."""
+    """The adaptive deadlines as rank 0 last agreed them (``auto`` ones only), by ``watchdog.deadlines`` key: seconds
+    and how. Run directories written before the keys were the one name say ``deadline_phase`` (``train`` for step)."""
     out: dict[str, Any] = {}
     for e in events.get(0, []):
         if e.get("name") == "deadline" and e.get("kind") == "instant":
-            out[str(e.get("deadline_phase"))] = {"seconds": e.get("seconds"), "how": e.get("how"),
-                                                 "changes": out.get(str(e.get("deadline_phase")), {}).get(
-                                                     "changes", 0) + 1}
+            old = str(e.get("deadline_phase"))
+            key = str(e.get("deadline") or {"train": "step"}.get(old, old))
+            out[key] = {"seconds": e.get("seconds"), "how": e.get("how"), "changes": out.get(key, {}).get("changes", 0) + 1}
     return out
 
 

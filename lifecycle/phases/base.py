@@ -89,12 +89,13 @@ def sequence_check(policy: Policy, boundary: str) -> list[Action]:
                    f"{boundary}", when=boundary)]
 
 
-def deadline_text(policy: Policy, phase: str) -> str:
-    """``600s``, or for an auto deadline ``auto after 20 steps: 4 x p99 over 200, in [5s, 600s]``."""
-    static = policy.deadline(phase)
-    if not policy.is_auto(phase):
+def deadline_text(policy: Policy, key: str) -> str:
+    """``600s``, or for an auto deadline ``auto after 20 steps: 4 x p99 over 200, in [5s, 600s]`` (``key``: a
+    ``watchdog.deadlines`` key)."""
+    static = policy.deadline(key)
+    if not policy.is_auto(key):
         return f"{static:g}s"
     a = policy.watchdog.adaptive
-    return (f"auto after {a.calibration_steps} {'steps' if phase == 'train' else 'checkpoint spans'}: "
+    return (f"auto after {a.calibration_steps} {'steps' if key == 'step' else key + ' spans'}: "
             f"{a.factor:g} x p{a.quantile * 100:g} over the last {a.window}, in [{a.floor_s:g}s, {static:g}s], "
             f"max over ranks; {static:g}s until then")

@@ -129,7 +129,7 @@ class InitPhase:
         from lifecycle.distributed.barrier import get_store
 
         adopted = dist.is_initialized()  # the trainer's own group (lifecycle.attach): used as it is, never destroyed
-        ctx.adopted_world = adopted
+        ctx.comms.adopted_world = adopted
         backend = str(dist.get_backend()) if adopted else pick_backend(ctx.policy.distributed.backend)
         apply_nccl_env(ctx, adopted=adopted and backend == "nccl")
         kwargs: dict[str, object] = {}
@@ -151,15 +151,15 @@ class InitPhase:
                 if restarted is not None:
                     kwargs["store"] = restarted
                 dist.init_process_group(backend, timeout=timeout, rank=ctx.rank, world_size=ctx.world_size, **kwargs)
-        ctx.store = get_store()
+        ctx.comms.store = get_store()
         if adopted:
             _check_adopted_timeout(ctx)
 
     def _model_parallel(self, ctx: RunContext) -> None:
         ctx.drills.fire("init", op="initialize_model_parallel")
         with ctx.events.span("initialize_model_parallel", group="world"):
-            ctx.adopted_groups = ctx.parallel.is_initialized()  # the trainer's model-parallel groups: its own
-            if not ctx.adopted_groups:
+            ctx.comms.adopted_groups = ctx.parallel.is_initialized()  # the trainer's model-parallel groups: its own
+            if not ctx.comms.adopted_groups:
                 ctx.parallel.initialize(ctx.policy.parallelism, collective_timeout_s(ctx.policy, own_loop=ctx.own_loop))
 
     def _check_policy(self, ctx: RunContext) -> None:
@@ -184,7 +184,7 @@ class InitPhase:
             work = dist.all_gather(out, mine, async_op=True)
             wait_works([work], "all_gather", "world", list(range(ctx.world_size)), ctx.deadline("init"),
                   time.monotonic())
-        ctx.op_counts["world"] += 1
+        ctx.ops.count("world")
         rows = [bytes(t.cpu().tolist()) for t in out]
         digests = [row[:32].hex() for row in rows]
         _agree_attempt(ctx, [int.from_bytes(row[32:36], "little") for row in rows])
@@ -194,7 +194,7 @@ class InitPhase:
                              phase="init", rank=ctx.rank)
         if ctx.rank == 0:
             restarts.record_start(ctx.run_dir, ctx.attempt, start_step, digest)
-            ctx.started_attempt = True
+            ctx.progress.started_attempt = True
         majority = max(set(digests), key=digests.count)
         differ = [r for r, d in enumerate(digests) if d != majority]
         if differ:
@@ -206,11 +206,11 @@ class InitPhase:
 def in_process_store(ctx: RunContext) -> Store | None:
     """After an in-process restart: the store the last round's groups used, under a prefix of this round (the keys of
     the groups that failed are never read again). None otherwise."""
-    if ctx.restart_base is None:
+    if ctx.comms.restart_base is None:
         return None
     import torch.distributed as dist
 
-    return dist.PrefixStore(f"lifecycle/inproc/{ctx.restart_round}", ctx.restart_base)
+    return dist.PrefixStore(f"lifecycle/inproc/{ctx.comms.restart_round}", ctx.comms.restart_base)
 
 
 def restart_store(timeout: datetime.timedelta) -> Store | None:
@@ -246,5 +246,4 @@ def _agree_attempt(ctx: RunContext, attempts: list[int]) -> None:
             rundir.record_attempt(ctx.run_dir, agreed)
     if agreed != ctx.attempt:
         ctx.events.instant("attempt", attempt=agreed, counted=ctx.attempt, world_size=ctx.world_size)
-        ctx.attempt = agreed
-        ctx.drills.attempt = agreed
+        ctx.agree_attempt(agreed)

@@ -29,7 +29,7 @@ def run_point(ctx: RunContext, point: str, barrier: BarrierPoint, default_timeou
     phase = ctx.events.phase
     found = group_ranks(ctx.parallel, barrier.group)
     # Every rank takes a key, member or not, so later keys stay identical across ranks.
-    key = ctx.next_key(f"barrier/{point}/{barrier.group}")
+    key = ctx.ops.next_key(f"barrier/{point}/{barrier.group}")
     if found is None:
         if barrier.if_missing == "error":
             raise PhaseError(f"barrier point '{point}': group '{barrier.group}' does not exist in this "
@@ -47,7 +47,7 @@ def run_point(ctx: RunContext, point: str, barrier: BarrierPoint, default_timeou
                           group=barrier.group)
         else:
             collectives.barrier(pg, ranks, timeout, group_name=barrier.group)
-            ctx.op_counts[barrier.group] += 1
+            ctx.ops.count(barrier.group)
 
 
 def run_points(ctx: RunContext, point: str, default_timeout: float) -> None:

@@ -175,7 +175,7 @@ class TeardownPhase:
         run_points(ctx, "before_teardown", ctx.deadline("teardown"))
 
     def _finalize_async(self, ctx: RunContext) -> None:
-        if ctx.pending_save is not None:
+        if ctx.progress.pending_save is not None:
             from lifecycle.checkpoint import finish_pending
 
             finish_pending(ctx)
@@ -187,7 +187,7 @@ class TeardownPhase:
             handler.close()
 
     def _destroy_model_parallel(self, ctx: RunContext) -> None:
-        if ctx.adopted_groups:
+        if ctx.comms.adopted_groups:
             log.info("teardown: the model-parallel groups are the trainer's: left to it")
             return
         ctx.parallel.destroy()
@@ -197,13 +197,13 @@ class TeardownPhase:
 
         if not dist.is_initialized():
             return
-        for pg in _subgroups_newest_first() if not ctx.adopted_world else _own_groups(ctx):
+        for pg in _subgroups_newest_first() if not ctx.comms.adopted_world else _own_groups(ctx):
             dist.destroy_process_group(pg)
 
     def _abort(self, ctx: RunContext) -> None:
         import torch.distributed.distributed_c10d as c10d
 
-        if not c10d.is_initialized() or ctx.adopted_world:  # the trainer's communicators are not lifecycle's
+        if not c10d.is_initialized() or ctx.comms.adopted_world:  # the trainer's communicators are not lifecycle's
             return
         abort = getattr(c10d, "_abort_process_group", None)
         if abort is None:
@@ -218,7 +218,7 @@ class TeardownPhase:
 
         if not dist.is_initialized():
             return
-        if ctx.adopted_world:  # only what lifecycle made; the trainer destroys its own groups itself
+        if ctx.comms.adopted_world:  # only what lifecycle made; the trainer destroys its own groups itself
             for pg in _own_groups(ctx):
                 dist.destroy_process_group(pg)
             log.info("teardown: the default process group is the trainer's: left to it")
@@ -228,5 +228,5 @@ class TeardownPhase:
 
 def _own_groups(ctx: RunContext) -> list[ProcessGroup]:
     """The process groups lifecycle made in a trainer's process (the checkpoint coordination group)."""
-    group, ctx.ckpt_group = ctx.ckpt_group, None
+    group, ctx.comms.ckpt_group = ctx.comms.ckpt_group, None
     return [group] if group is not None else []

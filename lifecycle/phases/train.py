@@ -13,6 +13,7 @@ from collections.abc import Callable, Generator, Iterator
 from contextlib import closing, contextmanager
 from typing import TYPE_CHECKING, NamedTuple
 
+from lifecycle.context import ADAPTIVE
 from lifecycle.handlers import registry
 from lifecycle.phases.base import Action, GroupView, deadline_text, sequence_check
 from lifecycle.phases.points import run_point
@@ -41,20 +42,20 @@ class StopFlag:
 
         from lifecycle.distributed.collectives import device_for
 
-        values = [1.0 if ctx.stop.preempt_signal else 0.0, *ctx.deadline_proposals()]
+        values = [1.0 if ctx.progress.stop.preempt_signal else 0.0, *ctx.deadlines.proposals()]
         self.issued_at = issued_at
         self.flag = torch.tensor(values, dtype=torch.float64, device=device_for())
         self.work = dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, async_op=True)
-        ctx.op_counts["world"] += 1
+        ctx.ops.count("world")
 
     def read(self, ctx: RunContext, *, overlapped: bool) -> bool:
-        """Wait (bounded by the train deadline) and apply the agreed deadlines; True: some rank was signalled."""
+        """Wait (bounded by the step deadline) and apply the agreed deadlines; True: some rank was signalled."""
         from lifecycle.distributed.collectives import wait_works
 
         extra = {"overlapped": True, "issued_at": self.issued_at} if overlapped else {}
         with ctx.events.span("stop_flag", group="world", **extra):
             wait_works([self.work], "all_reduce(stop flag)", "world", list(range(ctx.world_size)),
-                       ctx.deadline("train"), time.monotonic())
+                       ctx.deadline("step"), time.monotonic())
         agreed = self.flag.cpu().tolist()
         ctx.agree_deadlines(agreed[1:])
         return bool(agreed[0])
@@ -112,7 +113,7 @@ class StepLoop:
     def start(self, ctx: RunContext, total: int | None) -> None:
         """Before the first step (after any resume): a resumed step counts as saved."""
         self.total = total
-        self.saved_at = ctx.step if ctx.resumed_from is not None else None
+        self.saved_at = ctx.step if ctx.progress.resumed_from is not None else None
 
     def report(self, **metrics: float) -> None:
         """Metrics of the step running now (``loss``; ``wait_s``, the time spent waiting on peers)."""
@@ -137,10 +138,10 @@ class StepLoop:
             took = max(time.monotonic() - t0 - self.outside_step_s, 0.0)
             compute = max(took - float(self._metrics.get("wait_s", 0.0)), 0.0)
             extra.update(self._metrics, compute_s=round(compute, 6))
-        ctx.observe("train", took)
+        ctx.deadlines.observe("step", took)
         if ctx.compute is not None:
             ctx.compute.add(compute)
-        ctx.step = step
+        ctx.progress.step = step
 
     @contextmanager
     def _first_step_trace(self, ctx: RunContext) -> Iterator[None]:
@@ -154,7 +155,7 @@ class StepLoop:
 
         with tracing.trace() as seen:
             yield
-        used, unwarmed = groups.used_by(ctx.parallel, seen.calls, seen.groups, ctx.groups)
+        used, unwarmed = groups.used_by(ctx.parallel, seen.calls, seen.groups, ctx.comms.groups)
         if not ctx.policy.warmup.enabled:
             unwarmed = []
         ctx.events.instant("groups_used", groups=used, unwarmed=unwarmed)
@@ -184,7 +185,7 @@ class StepLoop:
     def commit_pending(self, ctx: RunContext) -> None:
         """Commit the async save still pending, in the checkpoint phase: judged by the checkpoint deadline, not by
         the (maybe learned, seconds-short) step deadline."""
-        if ctx.pending_save is None:
+        if ctx.progress.pending_save is None:
             return
         from lifecycle.checkpoint import ASYNC_COMMIT, finish_pending
 
@@ -219,10 +220,10 @@ class StepLoop:
         stop = False
         if self.flag is not None:  # issued at the last boundary, reduced while this step ran
             stop, self.flag = self.flag.read(ctx, overlapped=True), None
-        if ctx.pending_save is not None:  # an async save overlapped this step: commit it now, in the checkpoint phase
+        if ctx.progress.pending_save is not None:  # an async save overlapped this step: commit it now, in the checkpoint phase
             self.commit_pending(ctx)
         if every is not None and step % every.n == 0:
-            run_point(ctx, f"every_{every.n}_steps", every, ctx.deadline("train"))
+            run_point(ctx, f"every_{every.n}_steps", every, ctx.deadline("step"))
         save_step = bool(ck.every_steps and step % ck.every_steps == 0)
         if save_step:
             self._save(ctx, "periodic")
@@ -233,14 +234,14 @@ class StepLoop:
         # periodic-save step, the last step): there it is agreed at once, so a stop never saves twice.
         due = step % ck.signal_check_every == 0 or save_step
         last = self.total is not None and step >= self.total
-        if not stop and due and (ck.on_signal or ctx.adaptive):
+        if not stop and due and (ck.on_signal or ctx.deadlines.learned):
             if ck.signal_overlap and not save_step and not last:
                 self.flag = StopFlag(ctx, issued_at=step)
             else:
                 stop = agree_stop(ctx)
         if not (ck.on_signal and stop):
             return Decision(save=save_step, stop=False)
-        ctx.stop.stop_step = step
+        ctx.progress.stop.stop_step = step
         self.stopped = True
         saving = self.saved_at != step
         if saving:
@@ -264,8 +265,8 @@ class TrainPhase:
 
     @staticmethod
     def plan(policy: Policy, view: GroupView | None = None) -> list[Action]:
-        ck, dl = policy.checkpoint, policy.deadline("train")
-        auto = any(policy.is_auto(p) for p in ("train", "checkpoint", "eval"))
+        ck, dl = policy.checkpoint, policy.deadline("step")
+        auto = any(policy.is_auto(p) for p in ADAPTIVE)
         flag = ck.on_signal or auto
         first = ([Action("stop_flag", "world", dl, "a preemption signal before the first step", when="on_signal")]
                  if ck.on_signal else [])
@@ -280,7 +281,7 @@ class TrainPhase:
             actions.append(Action("resume", "world", policy.deadline("checkpoint"), f"resume={ck.resume}, "
                                   f"on_corrupt={ck.on_corrupt}; the ranks agree on the step loaded", when=when))
         actions.append(Action("step", "world", dl, f"{policy.train.kind} x {policy.train.steps}, deadline "
-                              f"{deadline_text(policy, 'train')} per step"))
+                              f"{deadline_text(policy, 'step')} per step"))
         every = policy.barriers.every_n_steps
         if every is not None:
             actions.append(Action(f"barrier:every_{every.n}_steps", every.group, every.timeout_s or dl,
@@ -344,11 +345,11 @@ def after_resume(ctx: RunContext) -> None:
     """After a resume the adaptive deadlines continue from what the checkpoint saved (its first step is not a
     sample: caches are cold); without a saved state, or at another layout, the first step runs with the static one
     (:mod:`lifecycle.checkpoint.learned`)."""
-    if ctx.resumed_from is not None:
+    if ctx.progress.resumed_from is not None:
         from pathlib import Path
 
         from lifecycle.checkpoint import ckptdir, learned
 
-        for model in ctx.adaptive.values():
+        for model in ctx.deadlines.learned.values():
             model.after_resume()
-        learned.load(ctx, Path(ctx.policy.checkpoint.dir) / ckptdir.iter_name(ctx.resumed_from))
+        learned.load(ctx, Path(ctx.policy.checkpoint.dir) / ckptdir.iter_name(ctx.progress.resumed_from))

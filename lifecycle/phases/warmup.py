@@ -175,9 +175,9 @@ class WarmupPhase:
         if policy.warmup.groups == "used" and ctx.own_loop and ctx.rank == 0:
             log.info("warmup.groups: used: a trainer's own loop does not say which groups it uses; warming every "
                      "group (the first step names any it used that warmup did not warm)")
-        ctx.groups = groups.resolve(ctx.parallel, names, policy.warmup.required)
-        by_name = {n: g for g in ctx.groups for n in g.names}
-        plan = self.plan(policy, ResolvedView(ctx.groups))
+        ctx.comms.groups = tuple(groups.resolve(ctx.parallel, names, policy.warmup.required))
+        by_name = {n: g for g in ctx.comms.groups for n in g.names}
+        plan = self.plan(policy, ResolvedView(ctx.comms.groups))
         point_index: dict[str, int] = {}
         timings: dict[str, float] = {}
         memory = CommMemory(policy.distributed.comm_memory_budget_gib, policy.distributed.memory_headroom_gib)
@@ -200,7 +200,7 @@ class WarmupPhase:
             if memory.source is not None:  # the timeline's counter: this rank's communicator memory as groups warm
                 ctx.events.scalar("comm_memory_mib", round(memory.total / 2**20, 3), group=group.label)
             memory.check(group, ctx.rank)
-        ctx.warmup_s = timings
+        ctx.progress.warmup_s = timings
         self._record(ctx, memory)
 
     def _record(self, ctx: RunContext, memory: CommMemory) -> None:
@@ -209,7 +209,7 @@ class WarmupPhase:
             return
         from lifecycle.distributed.comm_memory import live_estimate
 
-        estimate = live_estimate(ctx.policy, ctx.groups)
+        estimate = live_estimate(ctx.policy, ctx.comms.groups)
         ctx.events.instant("comm_memory", source=memory.source, total_bytes=memory.total,
                            groups={g: {"measured_bytes": b, "estimate_bytes": estimate.get(g)}
                                    for g, b in memory.per_group.items()})
@@ -226,5 +226,5 @@ class WarmupPhase:
             after = _free_memory()
             if before is not None:
                 extra.update(mem_free_before=before, mem_free_after=after)
-        ctx.op_counts[group.label] += 1
+        ctx.ops.count(group.label)
         return float(seconds)

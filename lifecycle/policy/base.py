@@ -12,15 +12,16 @@ PHASES: tuple[str, ...] = get_args(Phase)
 """The phases in their main-path order."""
 
 
+DEADLINE_KEYS: tuple[str, ...] = ("init", "warmup", "step", "checkpoint", "teardown", "setup", "eval")
+"""The ``watchdog.deadlines`` keys: the one name of each deadline, in the YAML, the engine, events and reports."""
+
+
 def deadline_key(phase: str) -> str:
-    """The ``watchdog.deadlines`` key that bounds ``phase`` (``step`` bounds each step of the train phase): the one
-    place the YAML's ``step`` and the engine's ``train`` meet."""
+    """The ``watchdog.deadlines`` key that bounds ``phase`` (``step`` bounds each step of the train phase). The one
+    place a phase name becomes a deadline name; nothing maps back."""
     return "step" if phase == "train" else phase
 
 
-def deadline_phase(key: str) -> str:
-    """The phase a ``watchdog.deadlines`` key (or a phase name) bounds: :func:`deadline_key` inverted."""
-    return "train" if key == "step" else key
 """The phase names, declared once (``lifecycle.machine.graph`` reads them from here: the policy layer
 imports nothing from the machine)."""
 

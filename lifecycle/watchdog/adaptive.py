@@ -54,7 +54,8 @@ class Derivation:
 
 
 class AdaptiveDeadline:
-    """One phase's deadline (``train``, ``checkpoint`` or a trainer's ``eval``), adaptive after calibration."""
+    """One deadline (``step``, ``checkpoint`` or a trainer's ``eval``: its ``watchdog.deadlines`` key), adaptive after
+    calibration."""
 
     def __init__(self, name: str, static_s: float, cfg: AdaptiveSettings) -> None:
         self.name = name
@@ -102,7 +103,7 @@ class AdaptiveDeadline:
             self._agreed_text = (f"{self._agreed:.3g}s = max over ranks of clamp({self.cfg.factor:g} × "
                                  f"p{self.cfg.quantile * 100:g}, {self.cfg.floor_s:g}s, {self.static_s:g}s); "
                                  f"this rank: p{self.cfg.quantile * 100:g} {q:.3g}s over the last {n} "
-                                 f"{ {'train': 'steps', 'checkpoint': 'checkpoint spans'}.get(self.name, self.name + ' spans')}")
+                                 f"{ {'step': 'steps', 'checkpoint': 'checkpoint spans'}.get(self.name, self.name + ' spans')}")
 
     def after_resume(self) -> None:
         """The first step after a resume runs with the static deadline (caches are cold, state reloads)."""

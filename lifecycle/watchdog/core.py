@@ -123,7 +123,7 @@ class Watchdog:
     def _connect(self) -> SideChannel | None:
         """Runs on an I/O thread, in short attempts until the init deadline (or until the watchdog stops): a
         thread must never sit in a long C++ call when the interpreter exits."""
-        deadline = time.monotonic() + self.ctx.deadline("init")
+        deadline = time.monotonic() + self.ctx.deadlines.deadline("init")
         while not self._stop.is_set():
             try:
                 store = connect(min(CONNECT_ATTEMPT_S, max(deadline - time.monotonic(), 0.1)))
@@ -131,7 +131,7 @@ class Watchdog:
                 if time.monotonic() >= deadline:
                     raise
                 continue
-            return None if store is None else SideChannel(store, self.ctx.policy.run.id, self.ctx.restart_round)
+            return None if store is None else SideChannel(store, self.ctx.policy.run.id, self.ctx.comms.restart_round)
         return None
 
     def _run(self) -> None:
@@ -144,7 +144,7 @@ class Watchdog:
         """Until the next poll, or exactly until this rank's deadline passes if that comes first."""
         if self.reported is not None or self.failing:
             return self.cfg.poll_interval_s  # only heartbeats from now on
-        left = self.ctx.deadline(self.progress.bound()) - self.progress.idle_s()
+        left = self.ctx.deadlines.deadline(self.progress.bound()) - self.progress.idle_s()
         return max(min(self.cfg.poll_interval_s, left), 0.01)
 
     def _tick(self) -> None:
@@ -153,8 +153,8 @@ class Watchdog:
             self._safe(self._publish_and_beat, self._io)
             return
         bound = self.progress.bound()
-        derivation = self.ctx.derivation(bound)
-        cause = (causes.deadline_passed(self.progress, self.ctx.deadline(bound), self.rank, bound=bound,
+        derivation = self.ctx.deadlines.derivation(bound)
+        cause = (causes.deadline_passed(self.progress, self.ctx.deadlines.deadline(bound), self.rank, bound=bound,
                                         how=derivation.text if derivation is not None else None)
                  or causes.from_marker(self.ctx.run_dir) or self._lost())
         io = self._io
@@ -431,7 +431,8 @@ class Watchdog:
 
     # ---- fields the record takes from the run context (watchdog thread) -----------------------
     def _extra(self) -> JsonDict:
-        extra: JsonDict = {"ops": dict(self.ctx.op_counts), "sync": self.ctx.keys_taken}
+        ops, keys = self.ctx.ops.snapshot()
+        extra: JsonDict = {"ops": ops, "sync": keys}
         if self.ctx.compute is not None:
             extra.update(self.ctx.compute.fields())
         return extra

@@ -1,6 +1,6 @@
 """Global member ranks of this rank's group by label, for the watchdog's records and the sequence check.
 
-Labels are what the events and ``ctx.op_counts`` use: a warmup label (``edp=intra_edp``: every
+Labels are what the events and ``ctx.ops`` use: a warmup label (``edp=intra_edp``: every
 symbolic name of one communicator), a symbolic group name (``dp``), or ``world``/``store`` (every rank).
 Local only, no collective; None when the group is unknown on this rank.
 """
@@ -24,7 +24,7 @@ def members_of(ctx: RunContext, label: str) -> list[int] | None:
     if label in EVERY_RANK:
         return list(range(ctx.world_size))
     names = label.split("=")
-    for group in ctx.groups:
+    for group in ctx.comms.groups:
         if group.label == label or names[0] in group.names:
             return sorted(group.ranks)
     try:

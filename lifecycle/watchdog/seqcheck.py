@@ -1,6 +1,6 @@
 """Collective-sequence check at phase boundaries: divergent collective counts found before they hang.
 
-Every rank counts the collectives it issued per group label (``ctx.op_counts``). At each success
+Every rank counts the collectives it issued per group label (``ctx.ops``). At each success
 transition (a phase hook) every rank publishes its counts on the store and they are compared among
 the members of each group. All ranks must take part (hooks run in the same order on every rank).
 
@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 from lifecycle.errors import HangError, SequenceMismatch
 from lifecycle.jsontypes import JsonDict
+from lifecycle.policy.base import deadline_key
 from lifecycle.watchdog.members import EVERY_RANK, members_of
 
 if TYPE_CHECKING:
@@ -48,7 +49,7 @@ class SequenceCheck:
         self._groups: dict[str, tuple[int, int] | None] = {}
 
     def __call__(self, ctx: RunContext, old: str | None, new: str, failure: bool) -> None:
-        if failure or old is None or ctx.store is None or ctx.world_size == 1:
+        if failure or old is None or ctx.comms.store is None or ctx.world_size == 1:
             return
         self.index += 1
         counts = self.counts(ctx)
@@ -58,7 +59,7 @@ class SequenceCheck:
     def counts(self, ctx: RunContext) -> dict[str, list[int]]:
         """``{label: [ops, first rank of the group, group size]}`` for every label this rank used."""
         out = {}
-        for label, n in sorted(ctx.op_counts.items()):
+        for label, n in sorted(ctx.ops.snapshot()[0].items()):
             if label not in self._groups:
                 ranks = members_of(ctx, label)
                 self._groups[label] = (ranks[0], len(ranks)) if ranks else None
@@ -141,15 +142,16 @@ def describe(mismatches: list[JsonDict], phase: str) -> str:
 
 
 def _await(ctx: RunContext, base: str, phase: str) -> str:
-    store, deadline = ctx.require_store(), time.monotonic() + ctx.deadline(phase)
+    limit = ctx.deadlines.deadline(deadline_key(phase))
+    store, deadline = ctx.require_store(), time.monotonic() + limit
     probe_at, delay = time.monotonic() + _PROBE_AFTER_S, 0.002
     while not store.check([f"{base}/verdict"]):
         now = time.monotonic()
         if now > deadline:
             late = [r for r in range(ctx.world_size) if not store.check([f"{base}/r/{r}"])]
             raise HangError(f"sequence check at the end of phase {phase}: ranks {late} did not arrive within "
-                            f"{ctx.deadline(phase):g}s", missing=late, phase=phase, rank=ctx.rank, group="world",
-                            deadline_s=ctx.deadline(phase))
+                            f"{limit:g}s", missing=late, phase=phase, rank=ctx.rank, group="world",
+                            deadline_s=limit)
         if now >= probe_at:
             blocked = probe(ctx, phase)
             if blocked:

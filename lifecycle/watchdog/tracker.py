@@ -31,6 +31,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from lifecycle.jsontypes import Json, JsonDict
+from lifecycle.policy.base import deadline_key
 
 WORLD = "world"
 BLOCKED_AFTER_S = 1.0
@@ -160,7 +161,7 @@ class ProgressTracker:
         evaluation, a resume), else its phase's."""
         with self._lock:
             inner = self.open[-1] if self.open else None
-            return inner.bound if inner is not None and inner.bound else self.phase
+            return inner.bound if inner is not None and inner.bound else deadline_key(self.phase)
 
     def _op(self) -> Op | None:
         return self.open[-1] if self.open else self.broken

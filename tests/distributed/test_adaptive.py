@@ -44,14 +44,14 @@ def test_a_1000_step_soak_with_auto_deadlines_raises_no_false_alarm(tmp_path: Pa
     for run in (sync, async_):
         s = run.summary()
         assert s["hang_reports"] == [] and s["failures"] == [], s["hang_reports"]
-        assert s["deadlines"]["train"]["seconds"] < 10  # adaptive, far below the static 600 s
-        assert "max over ranks of clamp(20 × p99" in s["deadlines"]["train"]["how"] or (
-            run is async_ and "restored from iter_0000600 (learned in attempt 1)" in s["deadlines"]["train"]["how"])
+        assert s["deadlines"]["step"]["seconds"] < 10  # adaptive, far below the static 600 s
+        assert "max over ranks of clamp(20 × p99" in s["deadlines"]["step"]["how"] or (
+            run is async_ and "restored from iter_0000600 (learned in attempt 1)" in s["deadlines"]["step"]["how"])
     restored = [e for e in _events(async_.run_dir, 0) if e["name"] == "deadline"][0]
     assert restored["source"] == "checkpoint" and restored["seconds"] < 10, restored
     # every rank ended on the same agreed deadline
     finals = {r: [e for e in _events(async_.run_dir, r) if e["name"] == "deadline"
-                  and e["deadline_phase"] == "train"][-1]["seconds"] for r in range(4)}
+                  and e["deadline"] == "step"][-1]["seconds"] for r in range(4)}
     assert len(set(finals.values())) == 1, finals
 
 
@@ -62,7 +62,7 @@ def test_a_stall_is_reported_within_factor_times_the_quantile_plus_a_second(tmp_
     assert run.code == 3, run.output
     events = _events(run.run_dir, 1)
     stall_t = next(e["t"] for e in events if e["name"] == "fault_drill") / 1e6
-    deadline = [e for e in events if e["name"] == "deadline" and e["deadline_phase"] == "train"][-1]
+    deadline = [e for e in events if e["name"] == "deadline" and e["deadline"] == "step"][-1]
     report_t = next(e["t"] for e in events if e["name"] == "hang_report") / 1e6
     assert deadline["seconds"] < 5, deadline
     assert report_t - stall_t <= deadline["seconds"] + 1.0, (report_t - stall_t, deadline)

@@ -66,8 +66,8 @@ def make_ctx_fixture(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterato
             data[key] = {**data[key], **value} if isinstance(value, dict) and key in data else value
         p = validate(data)
         run_dir = Path(p.run.dir)
-        ctx = RunContext(p, run_dir, 0, 1, 0, EventLog(run_dir, 0), Drills(p.faults, 0),
-                         parallel or RecordingParallel())
+        ctx = RunContext.of(p, run_dir, 0, 1, 0, EventLog(run_dir, 0), Drills(p.faults, 0),
+                            parallel or RecordingParallel())
         made.append(ctx)
         return ctx
 

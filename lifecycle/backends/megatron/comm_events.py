@@ -6,7 +6,7 @@ issued by a DDP bucket group inside ``torch.distributed._coalescing_manager(grou
 0.16.1 ``param_and_grad_buffer``): the reduce-scatter (or all-reduce) inside one distributed-optimizer
 instance, the all-reduce across instances, the parameter all-gather. :func:`install` wraps that manager, as
 imported by ``param_and_grad_buffer``, so each such op becomes a ``grad_reduce`` or ``param_gather`` span on
-its group's symbolic label (with the member ranks) and one count in ``ctx.op_counts``. The watchdog then
+its group's symbolic label (with the member ranks) and one count in ``ctx.ops``. The watchdog then
 names the group and the ranks that never joined when a step hangs in one (a zero-token rank that skipped
 its expert bucket), and the collective-sequence check compares these counts too.
 

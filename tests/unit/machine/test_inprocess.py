@@ -24,7 +24,7 @@ def _ctx(tmp_path: Path, rank: int = 0, world: int = 4, **restart: object) -> An
     policy = load(["restart.mode=in_process", "restart.max_restarts=2", "restart.in_process_deadline_s=0.5",
                           *(f"restart.{k}={v}" for k, v in restart.items())]).policy
     return SimpleNamespace(policy=policy, rank=rank, world_size=world, run_dir=tmp_path, attempt=1, own_loop=False,
-                           restarts_left=policy.restart.max_restarts)
+                           progress=SimpleNamespace(restarts_left=policy.restart.max_restarts))
 
 
 def test_only_failures_the_processes_survive_restart_in_place(tmp_path: Path) -> None:
@@ -39,9 +39,9 @@ def test_only_failures_the_processes_survive_restart_in_place(tmp_path: Path) ->
     assert "launcher is stopping" in str(inprocess.refusal(ctx, "train", "shutdown"))
     assert "phase init" in str(inprocess.refusal(ctx, "init", "failed"))
     assert "phase teardown" in str(inprocess.refusal(ctx, "teardown", "failed"))
-    ctx.restarts_left = 0
+    ctx.progress.restarts_left = 0
     assert "restarts are spent (restart.max_restarts=2)" in str(inprocess.refusal(ctx, "train", "failed"))
-    ctx.restarts_left, ctx.own_loop = 1, True
+    ctx.progress.restarts_left, ctx.own_loop = 1, True
     assert "lifecycle.attach" in str(inprocess.refusal(ctx, "train", "failed"))
 
 

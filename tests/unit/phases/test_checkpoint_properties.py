@@ -66,10 +66,10 @@ class CheckpointMachine(RuleBasedStateMachine):
             "checkpoint": {"dir": str(self.root), "keep_last": self.keep_last, "on_corrupt": "fallback"},
             "train": {"kind": "synthetic", "steps": 1000, "options": {"hidden": 4, "batch": 2}},
         })
-        ctx = RunContext(policy, self.tmp / "run", 0, 1, 0, EventLog(self.tmp / "run", 0), Drills([], 0),
-                         RecordingParallel())
+        ctx = RunContext.of(policy, self.tmp / "run", 0, 1, 0, EventLog(self.tmp / "run", 0), Drills([], 0),
+                            RecordingParallel())
         assert dist.is_initialized()
-        ctx.store = get_store()
+        ctx.comms.store = get_store()
         ctx.step_handler = self._handler(ctx)
         return ctx
 
@@ -121,12 +121,12 @@ class CheckpointMachine(RuleBasedStateMachine):
     # ---- lifecycle's operations -------------------------------------------------------------------------
     @rule(steps=st.integers(1, 3))
     def save(self, steps: int) -> None:
-        self.ctx.step += steps
+        self.ctx.progress.step += steps
         self._own(lambda: checkpoint.save(self.ctx, "periodic"), repairs=True)
 
     @rule(steps=st.integers(1, 3), where=st.sampled_from(["write", "finalize", "rename", "tracker", "prune"]))
     def crash_mid_save(self, steps: int, where: str) -> None:
-        self.ctx.step += steps
+        self.ctx.progress.step += steps
         targets = {"write": (type(self.ctx.step_handler), "begin_save"), "finalize": (ckptdir, "write_manifest"),
                    "rename": (os, "replace"), "tracker": (ckptdir, "write_tracker"), "prune": (ckptdir, "prune")}
         owner, attr = targets[where]
@@ -142,12 +142,12 @@ class CheckpointMachine(RuleBasedStateMachine):
             self._own(lambda: checkpoint.save(self.ctx, "periodic"), repairs=True)
         finally:
             setattr(owner, attr, original)
-        self.ctx.pending_save = None  # the process is gone: a restart begins with a resume
+        self.ctx.progress.pending_save = None  # the process is gone: a restart begins with a resume
         self.resume()
 
     @rule()
     def resume(self) -> None:
-        self.ctx.step, self.ctx.resumed_from = 0, None
+        self.ctx.progress.step, self.ctx.progress.resumed_from = 0, None
         self.ctx.step_handler = self._handler(self.ctx)
 
         def op() -> None:
@@ -157,7 +157,7 @@ class CheckpointMachine(RuleBasedStateMachine):
             self._own(op, repairs=True)
         except CheckpointError:
             raise AssertionError("resume with on_corrupt=fallback raised") from None
-        self.resumed_from = self.ctx.resumed_from
+        self.resumed_from = self.ctx.progress.resumed_from
         if self.resumed_from is not None:  # what a resume loads is what was committed, byte for byte
             folder = self.root / ckptdir.iter_name(self.resumed_from)
             assert ckptdir.changed(folder, 0, 1) is None

@@ -30,14 +30,14 @@ def _init(ctx: RunContext) -> RunContext:
 
 def test_init_creates_the_group_the_store_and_the_layout_and_checks_the_policy(make_ctx: MakeCtx) -> None:
     ctx = _init(make_ctx())
-    assert dist.is_initialized() and dist.get_world_size() == 1 and ctx.store is not None
+    assert dist.is_initialized() and dist.get_world_size() == 1 and ctx.comms.store is not None
     assert isinstance(ctx.parallel, RecordingParallel)
     # the groups' timeout outlasts every watchdog deadline (20 s here) plus the time to report: the watchdog names
     # the culprit before torch's own timeout
     assert ctx.parallel.calls == ["load", "initialize tp=1 pp=1 ep=1 timeout=54"]
     backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
-    assert backend.options._timeout.total_seconds() == 54 and not ctx.adopted_world
-    assert ctx.op_counts["world"] == 1  # the policy-hash all_gather
+    assert backend.options._timeout.total_seconds() == 54 and not ctx.comms.adopted_world
+    assert ctx.ops.snapshot()[0]["world"] == 1  # the policy-hash all_gather
     assert names(ctx) == ["import:backend", "init_process_group", "initialize_model_parallel", "check_policy_hash"]
 
 
@@ -51,17 +51,17 @@ def test_init_refuses_a_layout_the_world_cannot_hold_before_any_group_exists(mak
 def test_init_runs_the_after_init_barrier_on_the_store(make_ctx: MakeCtx) -> None:
     ctx = _init(make_ctx({"barriers": {"after_init": [{"group": "world"}, {"group": "tp"}]}}))
     assert "barrier:after_init" in names(ctx)
-    assert ctx.keys_taken == 2  # the skipped group (no tp here) still takes its key: keys stay aligned
+    assert ctx.ops.snapshot()[1] == 2  # the skipped group (no tp here) still takes its key: keys stay aligned
 
 
 def test_warmup_issues_every_op_on_every_group_once(make_ctx: MakeCtx) -> None:
     ops = ["barrier", "all_reduce", "all_gather", "all_to_all", "p2p"]
     ctx = _init(make_ctx({"warmup": {"ops": ops, "sizes": ["tiny"]}}))
     WarmupPhase().run(ctx)
-    assert [g.label for g in ctx.groups] == ["world=dp"]  # one communicator, every name it answers to
-    assert ctx.op_counts["world=dp"] == len(ops)
+    assert [g.label for g in ctx.comms.groups] == ["world=dp"]  # one communicator, every name it answers to
+    assert ctx.ops.snapshot()[0]["world=dp"] == len(ops)
     assert [n for n in names(ctx) if n.startswith("warm:")] == [f"warm:{op}" for op in ops]
-    assert set(ctx.warmup_s) == {"world=dp"} and ctx.warmup_s["world=dp"] >= 0
+    assert set(ctx.progress.warmup_s) == {"world=dp"} and ctx.progress.warmup_s["world=dp"] >= 0
 
 
 def test_warmup_sends_the_job_sized_messages_after_the_tiny_ops(make_ctx: MakeCtx) -> None:
@@ -72,7 +72,7 @@ def test_warmup_sends_the_job_sized_messages_after_the_tiny_ops(make_ctx: MakeCt
     hidden = ctx.policy.train.options.hidden
     assert [(e["name"], e.get("bytes")) for e in warm] == [
         ("warm:barrier", None), ("warm:all_reduce", None), ("warm:all_reduce", (hidden * hidden + 2 * hidden + 1) * 4)]
-    assert ctx.op_counts["world=dp"] == 3
+    assert ctx.ops.snapshot()[0]["world=dp"] == 3
 
 
 def test_warmup_records_what_each_group_cost_and_stops_at_the_one_past_the_budget(make_ctx: MakeCtx) -> None:
@@ -119,7 +119,7 @@ def test_train_saves_every_n_steps_and_not_twice_at_the_end(make_ctx: MakeCtx) -
 
 def test_a_signal_before_training_stops_without_building_a_model(make_ctx: MakeCtx) -> None:
     ctx = _init(make_ctx())
-    ctx.stop.preempt_signal = "SIGTERM"
+    ctx.progress.stop.preempt_signal = "SIGTERM"
     assert agree_stop(ctx) is True
     TrainPhase(lambda c, r: None).run(ctx)
     assert ctx.step_handler is None and ctx.step == 0
@@ -134,7 +134,7 @@ def test_a_signal_mid_training_saves_and_stops_at_the_step_boundary(make_ctx: Ma
     phase = TrainPhase(lambda c, reason: saves.append((c.step, reason)))
     phase._build = _signal_after(phase._build, 3)  # type: ignore[method-assign]
     phase.run(ctx)
-    assert ctx.stop.stop_step == stop and saves == [(stop, "preemption")]
+    assert ctx.progress.stop.stop_step == stop and saves == [(stop, "preemption")]
     ctx.events.flush()
     flags = [e for e in read_events(ctx.run_dir)[0] if e["name"] == "stop_flag" and e["kind"] == "end"]
     assert [e.get("step") for e in flags] == [None, *range(1, stop + 1)] if not overlap else \
@@ -148,7 +148,7 @@ def test_a_signal_at_a_save_step_is_agreed_at_once_and_saves_once(make_ctx: Make
     phase = TrainPhase(lambda c, reason: saves.append((c.step, reason)))
     phase._build = _signal_after(phase._build, 4)  # type: ignore[method-assign]
     phase.run(ctx)
-    assert ctx.stop.stop_step == 4 and saves == [(4, "periodic")]
+    assert ctx.progress.stop.stop_step == 4 and saves == [(4, "periodic")]
 
 
 def _signal_after(build, n):  # type: ignore[no-untyped-def]
@@ -158,7 +158,7 @@ def _signal_after(build, n):  # type: ignore[no-untyped-def]
 
         def counting(c: RunContext, i: int) -> dict[str, float]:
             if i == n:
-                c.stop.preempt_signal = "SIGTERM"
+                c.progress.stop.preempt_signal = "SIGTERM"
             return step(c, i)
 
         handler.step = counting
@@ -173,15 +173,15 @@ def test_checkpoint_commits_in_two_phases_and_resumes(make_ctx: MakeCtx, tmp_pat
     assert (root / "latest").read_text().strip() == "iter_0000002"
     assert sorted(p.name for p in root.iterdir()) == ["iter_0000002", "latest", "latest_checkpointed_iteration.txt"]
     assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
-    assert ctx.saved == [str(root / "iter_0000002")] and ctx.pending_save is None
+    assert ctx.progress.saved == [str(root / "iter_0000002")] and ctx.progress.pending_save is None
     done = names(ctx)
     assert done.index("barrier:ckpt_prepare") < done.index("save") < done.index("commit") < \
         done.index("barrier:ckpt_committed")
     fresh = TrainPhase(checkpoint.save)
-    ctx.step, ctx.step_handler = 0, fresh._build(ctx)
+    ctx.progress.step, ctx.step_handler = 0, fresh._build(ctx)
     ctx.step_handler.setup(ctx)
     checkpoint.resume(ctx)
-    assert ctx.step == 2 and ctx.resumed_from == 2
+    assert ctx.step == 2 and ctx.progress.resumed_from == 2
 
 
 def test_pruning_never_deletes_through_a_link_nor_fails_the_commit_it_follows(make_ctx: MakeCtx, tmp_path: Path) -> None:
@@ -190,14 +190,14 @@ def test_pruning_never_deletes_through_a_link_nor_fails_the_commit_it_follows(ma
     ctx.step_handler = run._build(ctx)
     ctx.step_handler.setup(ctx)
     root, outside = tmp_path / "ckpt", tmp_path / "elsewhere"
-    ctx.step = 1
+    ctx.progress.step = 1
     checkpoint.save(ctx, "periodic")
     (root / "iter_0000001").rename(outside)  # an older checkpoint kept elsewhere, linked into the folder
     (root / "iter_0000001").symlink_to(outside, target_is_directory=True)
     for step in (2, 3):
-        ctx.step = step
+        ctx.progress.step = step
         checkpoint.save(ctx, "periodic")
-    assert (root / "latest").read_text().strip() == "iter_0000003" and ctx.saved[-1] == str(root / "iter_0000003")
+    assert (root / "latest").read_text().strip() == "iter_0000003" and ctx.progress.saved[-1] == str(root / "iter_0000003")
     assert sorted(p.name for p in root.iterdir() if p.name.startswith("iter")) == ["iter_0000001", "iter_0000003"]
     assert (outside / "rank_0.pt").is_file() and (root / "iter_0000001").is_symlink()
 
@@ -206,13 +206,13 @@ def _saved_at(ctx: RunContext, *steps: int) -> Path:
     ctx.step_handler = TrainPhase(checkpoint.save)._build(ctx)
     ctx.step_handler.setup(ctx)
     for step in steps:
-        ctx.step = step
+        ctx.progress.step = step
         checkpoint.save(ctx, "periodic")
     return Path(ctx.policy.checkpoint.dir)
 
 
 def _fresh(ctx: RunContext) -> None:
-    ctx.step, ctx.resumed_from = 0, None
+    ctx.progress.step, ctx.progress.resumed_from = 0, None
     ctx.step_handler = TrainPhase(checkpoint.save)._build(ctx)
     ctx.step_handler.setup(ctx)
 
@@ -253,7 +253,7 @@ def test_a_load_rejected_after_it_ran_leaves_every_rank_on_the_fresh_state(make_
     _fresh(ctx)
     initial = {k: v.clone() for k, v in ctx.step_handler.model.state_dict().items()}  # type: ignore[union-attr]
     checkpoint.resume(ctx)  # step 3 loads step 2's weights, is rejected, and nothing older is left
-    assert ctx.step == 0 and ctx.resumed_from is None
+    assert ctx.step == 0 and ctx.progress.resumed_from is None
     now = ctx.step_handler.model.state_dict()  # type: ignore[union-attr]
     assert all(torch.equal(now[k], initial[k]) for k in initial)
     assert [p.name.split(".")[0] for p in root.iterdir() if p.name.startswith("iter")] == ["iter_0000003"]
@@ -272,7 +272,7 @@ def test_async_checkpoint_commits_at_the_next_boundary(make_ctx: MakeCtx, tmp_pa
     # step 2's save was committed at step 3's boundary, the last one at the end of train: both through the
     # checkpoint phase (its deadline), not inside a step or teardown
     assert calls == ["periodic@2", "async_commit@3", "end@3", "async_commit@3"]
-    assert [Path(p).name for p in ctx.saved] == ["iter_0000002", "iter_0000003"] and ctx.pending_save is None
+    assert [Path(p).name for p in ctx.progress.saved] == ["iter_0000002", "iter_0000003"] and ctx.progress.pending_save is None
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "iter_0000003"
 
 
@@ -281,13 +281,13 @@ def test_a_rank_of_a_replaced_attempt_never_commits(make_ctx: MakeCtx, tmp_path:
     run = TrainPhase(checkpoint.save)
     ctx.step_handler = run._build(ctx)
     ctx.step_handler.setup(ctx)
-    ctx.step = 2
+    ctx.progress.step = 2
     checkpoint.save(ctx, "periodic")
     root = tmp_path / "ckpt"
     assert (root / "latest").read_text().strip() == "iter_0000002"
     # A requeued job started attempt 2 in this run directory while this rank (attempt 1) still runs.
     (ctx.run_dir / rundir.ATTEMPT).write_text("2\n")
-    ctx.step = 4
+    ctx.progress.step = 4
     with pytest.raises(PhaseError, match="attempt 2 of this run has started .* belongs to attempt 1 and stops "
                                          "without committing"):
         checkpoint.save(ctx, "periodic")
@@ -333,29 +333,30 @@ def test_a_learned_deadline_is_restored_at_the_same_layout_and_recalibrated_at_a
     import json
 
     from lifecycle.checkpoint import learned
+    from lifecycle.context import DeadlineBook
     from lifecycle.watchdog.adaptive import AdaptiveDeadline
 
     ctx = make_ctx()
     cfg = ctx.policy.watchdog.adaptive
-    ctx.adaptive["train"] = AdaptiveDeadline("train", 600.0, cfg)
+    ctx.deadlines = DeadlineBook(ctx.policy, {"step": AdaptiveDeadline("step", 600.0, cfg)})
     for _ in range(cfg.calibration_steps):
-        ctx.adaptive["train"].observe(0.5)
-    ctx.adaptive["train"].agree(ctx.adaptive["train"].proposal())
+        ctx.deadlines.observe("step", 0.5)
+    ctx.agree_deadlines(ctx.deadlines.proposals())
     folder = tmp_path / "iter_0000005"
     folder.mkdir()
     assert learned.write(ctx, folder)
     again = make_ctx()
-    again.adaptive["train"] = AdaptiveDeadline("train", 600.0, cfg)
+    again.deadlines = DeadlineBook(again.policy, {"step": AdaptiveDeadline("step", 600.0, cfg)})
     learned.load(again, folder)
-    assert again.deadline("train") == ctx.deadline("train") < 600
+    assert again.deadline("step") == ctx.deadline("step") < 600
     # the same file at world size 4 (another layout): the static deadline stays, and the event says why
     data = json.loads((folder / learned.NAME).read_text())
     data["layout"]["world_size"] = 4
     (folder / learned.NAME).write_text(json.dumps(data))
     other = make_ctx()
-    other.adaptive["train"] = AdaptiveDeadline("train", 600.0, cfg)
+    other.deadlines = DeadlineBook(other.policy, {"step": AdaptiveDeadline("step", 600.0, cfg)})
     learned.load(other, folder)
-    assert other.deadline("train") == 600.0
+    assert other.deadline("step") == 600.0
     other.events.flush()
     [event] = [e for e in read_events(other.run_dir)[0] if e["name"] == "deadline"]
     assert event["source"] == "static" and "was for world size 4" in event["how"] and "recalibrating" in event["how"]

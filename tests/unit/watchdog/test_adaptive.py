@@ -22,7 +22,7 @@ class Cfg:
 
 
 def test_static_until_calibrated_then_factor_times_the_quantile_clamped() -> None:
-    d = AdaptiveDeadline("train", 600.0, Cfg())
+    d = AdaptiveDeadline("step", 600.0, Cfg())
     for _ in range(19):
         d.observe(0.8)
     assert not d.calibrated() and d.proposal() == 0.0 and d.effective() == 600.0
@@ -36,7 +36,7 @@ def test_static_until_calibrated_then_factor_times_the_quantile_clamped() -> Non
 
 
 def test_the_agreed_value_is_clamped_between_the_floor_and_the_static_ceiling() -> None:
-    d = AdaptiveDeadline("train", 10.0, Cfg(floor_s=2.0, calibration_steps=1))
+    d = AdaptiveDeadline("step", 10.0, Cfg(floor_s=2.0, calibration_steps=1))
     d.observe(0.01)
     assert d.proposal() == 2.0
     d.agree(0.001)
@@ -48,7 +48,7 @@ def test_the_agreed_value_is_clamped_between_the_floor_and_the_static_ceiling() 
 
 
 def test_the_first_step_after_a_resume_runs_static_and_is_not_a_sample() -> None:
-    d = AdaptiveDeadline("train", 600.0, Cfg(calibration_steps=1))
+    d = AdaptiveDeadline("step", 600.0, Cfg(calibration_steps=1))
     d.observe(1.0)
     d.agree(d.proposal())
     d.after_resume()
@@ -71,7 +71,7 @@ def test_quantile_is_within_the_samples_and_monotone_in_q(values: list[float], q
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.lists(st.floats(0.001, 50.0), min_size=25, max_size=40), min_size=1, max_size=8))
 def test_every_rank_agrees_on_one_value_no_lower_than_its_own_proposal(per_rank: list[list[float]]) -> None:
-    ranks = [AdaptiveDeadline("train", 600.0, Cfg()) for _ in per_rank]
+    ranks = [AdaptiveDeadline("step", 600.0, Cfg()) for _ in per_rank]
     for d, samples in zip(ranks, per_rank, strict=True):
         for s in samples:
             d.observe(s)
@@ -115,19 +115,19 @@ def test_what_was_learned_survives_a_restart_clamped_to_this_policy() -> None:
     from lifecycle.watchdog.adaptive import AdaptiveDeadline
 
     cfg = SimpleNamespace(factor=4.0, quantile=0.99, window=5, floor_s=5.0, calibration_steps=3)
-    old = AdaptiveDeadline("train", 600.0, cfg)  # type: ignore[arg-type]
+    old = AdaptiveDeadline("step", 600.0, cfg)  # type: ignore[arg-type]
     for x in (1.0, 2.0, 3.0, 4.0, 5.0, 6.0):
         old.observe(x)
     old.agree(old.proposal())
     saved = old.state()
     assert saved["samples"] == [2.0, 3.0, 4.0, 5.0, 6.0] and saved["seen"] == 6 and saved["agreed"] == old.effective()
-    new = AdaptiveDeadline("train", 600.0, cfg)  # type: ignore[arg-type]
+    new = AdaptiveDeadline("step", 600.0, cfg)  # type: ignore[arg-type]
     new.after_resume()
     assert new.restore(saved, "iter_0000005 (learned in attempt 1)")
     assert new.effective() == old.effective() and new.calibrated()
     assert "restored from iter_0000005" in new.derivation().text
     # a lower ceiling in this policy caps the restored value; junk is refused and changes nothing
-    capped = AdaptiveDeadline("train", 10.0, cfg)  # type: ignore[arg-type]
+    capped = AdaptiveDeadline("step", 10.0, cfg)  # type: ignore[arg-type]
     assert capped.restore(saved, "x") and capped.effective() == 10.0
-    fresh = AdaptiveDeadline("train", 600.0, cfg)  # type: ignore[arg-type]
+    fresh = AdaptiveDeadline("step", 600.0, cfg)  # type: ignore[arg-type]
     assert not fresh.restore({"samples": "no", "seen": 1, "agreed": None}, "x") and fresh.effective() == 600.0

@@ -70,10 +70,11 @@ def test_tracker_survives_a_failing_member_lookup() -> None:
 
 def test_store_keys_are_numbered_in_call_order_and_counted() -> None:
     from lifecycle.context import RunContext
+    from lifecycle.policy.load import validate
 
-    ctx = RunContext(None, None, 0, 1, 0, None, None, None)  # type: ignore[arg-type]
-    assert [ctx.next_key("x") for _ in range(3)] == ["lifecycle/x/0", "lifecycle/x/1", "lifecycle/x/2"]
-    assert ctx.keys_taken == 3
+    ctx = RunContext.of(validate({}), Path("."), 0, 1, 0, None, None, None)  # type: ignore[arg-type]
+    assert [ctx.ops.next_key("x") for _ in range(3)] == ["lifecycle/x/0", "lifecycle/x/1", "lifecycle/x/2"]
+    assert ctx.ops.snapshot()[1] == 3
 
 
 # ---- diagnosis ------------------------------------------------------------------------------------
@@ -130,11 +131,11 @@ def test_the_innermost_span_with_its_own_deadline_bounds_the_rank() -> None:
     t.on_event(_ev("end", "watch", "train"))
     t.on_event(_ev("end", "setup", "train"))
     t.on_event(_ev("begin", "step", "train", step=1))
-    assert t.bound() == "train"
+    assert t.bound() == "step"
     t.on_event(_ev("begin", "eval", "train", step=1, deadline="eval", group="trainer", ranks=[0]))
     assert t.bound() == "eval" and t.begun["world"] == 4  # a trainer's phase is not an op every rank runs
     t.on_event(_ev("begin", "all_reduce", "train", step=1, group="dp"))  # a collective inside it: the phase's
-    assert t.bound() == "train"
+    assert t.bound() == "step"
     cause = causes.deadline_passed(t, 0.0, 0, bound="eval")
     assert cause is not None and "the eval deadline is 0s" in cause.detail
 
@@ -293,8 +294,6 @@ def test_side_channel_records_alarm_and_heartbeats(channel: SideChannel) -> None
 
 # ---- sequence check on a HashStore shared by threads ------------------------------------------------
 def _ctx(store: Any, rank: int, counts: dict[str, int], tmp: Path) -> Any:
-    from collections import Counter
-
     from lifecycle.context import RunContext
     from lifecycle.distributed.faults import Drills
     from lifecycle.distributed.parallel import WorldOnly
@@ -303,8 +302,12 @@ def _ctx(store: Any, rank: int, counts: dict[str, int], tmp: Path) -> Any:
 
     policy = validate({"watchdog": {"deadlines": {"warmup": 5.0}}})
     groups = [ResolvedGroup(("tp",), None, [0, 1] if rank < 2 else [2, 3])]
-    return RunContext(policy, tmp, rank, 4, rank, EventLog(tmp, rank), Drills([], rank), WorldOnly(), store=store,
-                      groups=groups, op_counts=Counter(counts))
+    ctx = RunContext.of(policy, tmp, rank, 4, rank, EventLog(tmp, rank), Drills([], rank), WorldOnly(), store=store)
+    ctx.comms.groups = tuple(groups)
+    for label, n in counts.items():
+        for _ in range(n):
+            ctx.ops.count(label)
+    return ctx
 
 
 def _boundary(counts_per_rank: list[dict[str, int]], tmp: Path) -> dict[int, BaseException | None]:

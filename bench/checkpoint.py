@@ -41,9 +41,9 @@ def _ctx(rank: int, world: int, root: Path, async_: bool, handler: object) -> ob
 
     policy = validate({"checkpoint": {"dir": str(root / ("async" if async_ else "sync")), "async": async_,
                                       "keep_last": 0}, "parallelism": {"ep": 2}, "train": {"options": SPEC}})
-    ctx = RunContext(policy, root / "run", rank, world, rank, EventLog(root / "run", rank), Drills([], rank),
-                     MegatronParallel())
-    ctx.store = get_store()
+    ctx = RunContext.of(policy, root / "run", rank, world, rank, EventLog(root / "run", rank), Drills([], rank),
+                        MegatronParallel())
+    ctx.comms.store = get_store()
     ctx.step_handler = handler
     return ctx
 
@@ -79,7 +79,7 @@ def _rank(rank: int, world: int, root: str, reps: int) -> dict[str, list[float]]
     for i in range(reps):
         raw_dir = base / f"raw_{i}"
         raw_dir.mkdir(parents=True, exist_ok=True)
-        sync_ctx.step = async_ctx.step = i + 1  # type: ignore[attr-defined]
+        sync_ctx.progress.step = async_ctx.progress.step = i + 1  # type: ignore[attr-defined]
 
         def raw(d: Path = raw_dir) -> None:
             dist_checkpointing.save(checkpoint.sharded_state(handler.state), str(d))

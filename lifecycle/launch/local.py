@@ -76,7 +76,8 @@ class LaunchResult:
 
 def launch_local(argv: list[str], nproc: int, run_dir: Path, *, env: dict[str, str] | None = None,
                  kill_grace_s: float = 3.0, preempt_grace_s: float = 3.0, poll_s: float = 0.1,
-                 console_ranks: Iterable[int] = (0,), preload: Sequence[str] | None = None) -> LaunchResult:
+                 console_ranks: Iterable[int] = (0,), preload: Sequence[str] | None = None,
+                 pool: PreloadPool | None = None) -> LaunchResult:
     """Run ``argv`` as ranks 0..nproc-1 on this machine and return when every rank has ended.
 
     On the first rank that ends non-zero, writes ``run_dir/.shutdown``, SIGTERMs (and SIGCONTs) the others
@@ -88,7 +89,9 @@ def launch_local(argv: list[str], nproc: int, run_dir: Path, *, env: dict[str, s
     :func:`die_with_launcher`).
 
     ``preload``: modules to import once in a process the ranks are forked from (``argv`` must be ``python -m
-    MODULE ...``; see :mod:`lifecycle.launch.preload`); ``None`` starts every rank by ``exec``.
+    MODULE ...``; see :mod:`lifecycle.launch.preload`); ``None`` starts every rank by ``exec``. ``pool``: keep the
+    preload process for the caller's next launch (a relaunched attempt forks from it without importing again); the
+    caller closes the pool. Without one, the preload process ends with this launch.
     """
     if nproc < 1 or not argv or poll_s <= 0 or kill_grace_s < 0 or preempt_grace_s < 0:
         raise ValueError(f"launch_local: need argv, nproc >= 1, poll_s > 0, kill_grace_s >= 0, preempt_grace_s >= 0 "
@@ -97,20 +100,29 @@ def launch_local(argv: list[str], nproc: int, run_dir: Path, *, env: dict[str, s
     run_dir = Path(run_dir).resolve()
     logs = _prepare(run_dir, nproc)
     start = time.monotonic()
-    zygote = _zygote(argv, run_dir, preload, env)
+    own = pool is None
+    pool = PreloadPool() if pool is None else pool
+    zygote = pool.take(argv, run_dir, preload, env)
     store = _host_store()
     envs = {r: _rank_env(r, nproc, int(store.port), run_dir, env) for r in range(nproc)}
     console = set(console_ranks)
-    if zygote is not None:
-        why = zygote.wait_ready(preload_mod.READY_S)
-        if why is None:
+    try:
+        for _ in range(2):  # a kept preload process that died since the last launch is replaced once
+            if zygote is None:
+                break
+            why = zygote.wait_ready(preload_mod.READY_S)
+            if why is not None:
+                print(f"lifecycle: the ranks' preload process did not start ({why}); starting each rank by itself",
+                      file=sys.stderr, flush=True)
+                break
             try:
                 return _launch_forked(zygote, argv, envs, logs, console, run_dir, kill_grace_s, preempt_grace_s,
                                       poll_s, start)
-            finally:
-                del store  # the store server lives exactly as long as the ranks
-        print(f"lifecycle: the ranks' preload process did not start ({why}); starting each rank by itself",
-              file=sys.stderr, flush=True)
+            except _NoRankForked:
+                zygote = pool.take(argv, run_dir, preload, env)
+    finally:
+        if own:
+            pool.close()
     from torch.distributed.elastic.multiprocessing import start_processes
 
     with SignalTrap() as trap:
@@ -140,14 +152,38 @@ def _watch(procs: dict[int, Any], trap: SignalTrap, run_dir: Path, kill_grace_s:
         job.kill_all()
 
 
-def _zygote(argv: list[str], run_dir: Path, preload: Sequence[str] | None,
-            env: dict[str, str] | None) -> preload_mod.Zygote | None:
-    if preload is None or argv[1:2] != ["-m"] or not preload_mod.enabled({**os.environ, **(env or {})}):
-        return None
-    common = dict(env or {})
-    for name in ("OMP_NUM_THREADS", "PYTHONUNBUFFERED"):
-        common.setdefault(name, os.environ.get(name, "1"))
-    return preload_mod.Zygote(run_dir, preload, common, ENV_LAUNCHER_PID)
+class _NoRankForked(OSError):
+    """The preload process was gone before the first rank of a launch was forked (nothing to clean up)."""
+
+
+class PreloadPool:
+    """The preload process of a job's successive launches (``lifecycle run``'s relaunched attempts): the imports are
+    paid once per job, not once per attempt. A process that is gone, failed a fork or imported other modules is
+    replaced at the next :meth:`take`."""
+
+    def __init__(self) -> None:
+        self._zygote: preload_mod.Zygote | None = None
+        self._modules: tuple[str, ...] = ()
+
+    def take(self, argv: list[str], run_dir: Path, preload: Sequence[str] | None,
+             env: dict[str, str] | None) -> preload_mod.Zygote | None:
+        """The preload process to fork this launch's ranks from (None: start them by ``exec``)."""
+        if preload is None or argv[1:2] != ["-m"] or not preload_mod.enabled({**os.environ, **(env or {})}):
+            return None
+        if self._zygote is not None and self._zygote.usable and self._modules == tuple(preload):
+            return self._zygote
+        self.close()
+        common = dict(env or {})
+        for name in ("OMP_NUM_THREADS", "PYTHONUNBUFFERED"):
+            common.setdefault(name, os.environ.get(name, "1"))
+        self._zygote, self._modules = preload_mod.Zygote(run_dir, preload, common, ENV_LAUNCHER_PID), tuple(preload)
+        return self._zygote
+
+    def close(self) -> None:
+        """The preload process leaves (its ranks have ended: each launch waits for them)."""
+        zygote, self._zygote = self._zygote, None
+        if zygote is not None:
+            zygote.close()
 
 
 def _launch_forked(zygote: preload_mod.Zygote, argv: list[str], envs: dict[int, dict[str, str]],
@@ -165,13 +201,19 @@ def _launch_forked(zygote: preload_mod.Zygote, argv: list[str], envs: dict[int, 
             for r, rank_env in envs.items():
                 full = {**os.environ, **rank_env,
                         "TORCHELASTIC_ERROR_FILE": str(rundir.error_file(run_dir, r))}
-                procs[r] = zygote.fork(r, argv, full, logs[r])
+                try:
+                    procs[r] = zygote.fork(r, argv, full, logs[r])
+                except OSError as exc:
+                    if procs:
+                        raise
+                    raise _NoRankForked(str(exc)) from exc
             tail.start()
             trap.arm()
             started = True
             return _watch(procs, trap, run_dir, kill_grace_s, preempt_grace_s, poll_s, start)
         finally:
-            zygote.close(kill=not started)  # ranks forked before a failed fork die with it (parent-death signal)
+            if not started:
+                zygote.close(kill=True)  # ranks forked before a failed fork die with it (parent-death signal)
             tail.stop()
 
 

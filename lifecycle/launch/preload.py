@@ -105,6 +105,7 @@ class Zygote:
                 elif kind == "pid":
                     rank, pid = rest.split()
                     self._pids[int(rank)] = int(pid)
+                    self._codes.pop(int(pid), None)  # a pid of an earlier launch's rank, reused by the kernel
                 elif kind == "exit":
                     pid, code = rest.split()
                     self._codes[int(pid)] = int(code)
@@ -127,11 +128,22 @@ class Zygote:
         self.close(kill=True)
         return why
 
+    @property
+    def usable(self) -> bool:
+        """Ready, still running and taking requests: the next launch (a relaunched attempt) can fork from it."""
+        with self.changed:
+            return self._ready and not self._gone and not self._errors and self.proc.poll() is None
+
     def fork(self, rank: int, argv: Sequence[str], env: Mapping[str, str], log_file: Path) -> Forked:
         request = json.dumps({"rank": rank, "argv": list(argv), "env": dict(env), "log": str(log_file)})
         assert self.proc.stdin is not None
-        self.proc.stdin.write(request.encode() + b"\n")
-        self.proc.stdin.flush()
+        with self.changed:
+            self._pids.pop(rank, None)  # the same rank of an earlier launch from this process
+        try:
+            self.proc.stdin.write(request.encode() + b"\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, ValueError) as exc:
+            raise OSError(f"the preload process could not start rank {rank}: it exited") from exc
         with self.changed:
             while rank not in self._pids:
                 if self._gone or self._errors:

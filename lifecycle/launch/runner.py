@@ -30,6 +30,7 @@ from lifecycle.jsontypes import JsonDict
 from lifecycle.machine.rankdir import own_run_dir, preflight, prepare_rank_dir, release_run_dir
 
 if TYPE_CHECKING:
+    from lifecycle.launch.local import PreloadPool
     from lifecycle.launch.signals import SignalTrap
     from lifecycle.policy.schema import Policy
 
@@ -94,6 +95,17 @@ def _launch(policy: Policy, nproc: int, run_dir: Path, overrides: Sequence[str],
         raise UsageError(f"run directory {run_dir} already holds a run and checkpoint.resume=never; pick another "
                          f"run.name/run.id, remove it, or set checkpoint.resume=auto to continue it")
     preflight(policy, nproc, ranks_per_node=nproc)
+    from lifecycle.launch.local import PreloadPool
+
+    pool = PreloadPool()  # one preload process for every attempt: a relaunch does not import torch again
+    try:
+        return _attempts(policy, nproc, run_dir, overrides, trap, pool)
+    finally:
+        pool.close()
+
+
+def _attempts(policy: Policy, nproc: int, run_dir: Path, overrides: Sequence[str], trap: SignalTrap,
+              pool: PreloadPool) -> int:
     left = policy.restart.max_restarts
     while True:
         if trap.received:
@@ -103,7 +115,7 @@ def _launch(policy: Policy, nproc: int, run_dir: Path, overrides: Sequence[str],
         if refused is not None:
             print(f"lifecycle: {refused}", file=sys.stderr, flush=True)
             return policy.teardown.exit_codes.no_progress
-        code, info, stopped, started = _attempt(policy, nproc, run_dir, overrides, left)
+        code, info, stopped, started = _attempt(policy, nproc, run_dir, overrides, left, pool)
         left -= max(int(info.get("attempt") or started) - started, 0)  # the ranks' restarts in place
         if code == 0 or left <= 0 or stopped or code in (ExitCode.USAGE, policy.teardown.exit_codes.no_progress):
             return code
@@ -131,7 +143,7 @@ def _refusal(policy: Policy, run_dir: Path) -> str | None:
 
 
 def _attempt(policy: Policy, nproc: int, run_dir: Path, overrides: Sequence[str],
-             restarts_left: int) -> tuple[int, JsonDict, bool, int]:
+             restarts_left: int, pool: PreloadPool) -> tuple[int, JsonDict, bool, int]:
     """One attempt (and the attempts its ranks restarted in place): its files, its ranks, its summary. (exit code,
     summary, whether the launcher was stopped, the attempt it started as)."""
     from lifecycle import rundir
@@ -151,7 +163,7 @@ def _attempt(policy: Policy, nproc: int, run_dir: Path, overrides: Sequence[str]
     result = launch_local([sys.executable, "-m", "lifecycle.launch.worker", str(run_dir)], nproc, run_dir,
                           env={rundir.ENV_ATTEMPT: str(attempt), ENV_RESTARTS_LEFT: str(restarts_left)},
                           preempt_grace_s=policy.checkpoint.grace_s + policy.teardown.deadline_s,
-                          preload=_preload(policy))
+                          preload=_preload(policy), pool=pool)
     if result.first_failure is not None and result.per_rank.get(result.first_failure, 0) < 0:
         # A rank killed by a signal (kill -9, the OOM killer) died: the policy's code for that, not 128+N (the
         # signal stays in the outcome line and the summary).

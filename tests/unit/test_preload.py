@@ -78,3 +78,31 @@ def test_a_rank_dies_with_a_killed_preload_process_and_reads_as_killed(tmp_path:
         assert not os.path.exists(f"/proc/{rank.pid}")
     finally:
         z.close(kill=True)
+
+
+def test_a_pool_forks_every_launch_of_a_job_from_one_preload_process_and_replaces_a_dead_one(tmp_path: Path) -> None:
+    """The attempts of one ``lifecycle run`` (here: launches through one pool) fork from the same preload process: the
+    second launch imports nothing again; the same rank numbers get their own exit codes each launch (no status of
+    the launch before is taken for theirs); a preload process killed between launches is replaced."""
+    import signal
+
+    from lifecycle.launch.local import PreloadPool, launch_local
+
+    probe = "import os; print('parent=%d' % os.getppid(), flush=True); os._exit(int(os.environ['RANK']) + {code})"
+    pool = PreloadPool()
+    parents = []
+    try:
+        for n, code in enumerate((0, 3, 5)):
+            run_dir = tmp_path / f"launch{n}"
+            argv = ["python", "-m", "timeit", "-n1", "-r1", probe.format(code=code)]
+            result = launch_local(argv, 2, run_dir, preload=("json",), pool=pool, kill_grace_s=0.5)
+            first = result.first_failure
+            assert first is not None and result.per_rank[first] == first + code, result
+            logs = [(run_dir / "logs" / f"rank_{r}.log").read_text() for r in range(2)]
+            parents.append({line for log in logs for line in log.split() if line.startswith("parent=")})
+            if n == 1:
+                assert parents[0] == parents[1] and len(parents[0]) == 1, parents  # one preload process, reused
+                os.kill(int(next(iter(parents[1])).split("=")[1]), signal.SIGKILL)
+        assert len(parents[2]) == 1 and parents[2] != parents[1], parents  # the dead one was replaced
+    finally:
+        pool.close()

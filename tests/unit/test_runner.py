@@ -46,6 +46,6 @@ def test_an_attempt_stopped_before_its_ranks_wrote_anything_is_recorded_as_itsel
                                   0.1, "SIGTERM")
 
     monkeypatch.setattr(local, "launch_local", stopped_at_once)
-    code, _, stopped, started = runner._attempt(policy, 2, run_dir, [], 0)
+    code, _, stopped, started = runner._attempt(policy, 2, run_dir, [], 0, local.PreloadPool())
     assert (code, stopped, started) == (143, True, 2)
     assert {a.number: a.exit_code for a in restarts.read(run_dir)} == {1: 4, 2: 143}

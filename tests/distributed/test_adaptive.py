@@ -57,8 +57,8 @@ def test_a_1000_step_soak_with_auto_deadlines_raises_no_false_alarm(tmp_path: Pa
 
 @pytest.mark.timeout(150)
 def test_a_stall_is_reported_within_factor_times_the_quantile_plus_a_second(tmp_path: Path) -> None:
-    run = lifecycle_run(tmp_path, 4, *AUTO, "train.steps=800", "checkpoint.every_steps=0",
-                        "+faults=[{at: train, step: 700, ranks: [1], action: stall}]", timeout=140)
+    run = lifecycle_run(tmp_path, 4, *AUTO, "train.steps=300", "checkpoint.every_steps=0",
+                        "+faults=[{at: train, step: 230, ranks: [1], action: stall}]", timeout=140)
     assert run.code == 3, run.output
     events = _events(run.run_dir, 1)
     stall_t = next(e["t"] for e in events if e["name"] == "fault_drill") / 1e6

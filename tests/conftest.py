@@ -36,8 +36,10 @@ def _clean_process(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
         children = [c for c in psutil.Process().children(recursive=True) if c.is_running()
                     and c.status() != psutil.STATUS_ZOMBIE]
-        # multiprocessing's resource tracker is shared by the whole session: not a leak.
-        children = [c for c in children if "resource_tracker" not in " ".join(c.cmdline())]
+        # multiprocessing's resource tracker and the ranks' forkserver (tests/_dist.py) are shared by the whole
+        # session: not leaks (the ranks forked from the forkserver are, and are counted).
+        children = [c for c in children if not any(k in " ".join(c.cmdline()) for k in ("resource_tracker",
+                                                                                      "forkserver"))]
     except Exception:  # noqa: BLE001 - psutil races with exiting children
         children = []
     if children:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import subprocess
 import sys
@@ -104,6 +105,21 @@ def test_explain_path_does_not_import_torch() -> None:
     code = ("import sys, lifecycle.distributed.layout as L; L.build_layout(64, tp=2, pp=2, ep=4).groups('edp');"
             "assert 'torch' not in sys.modules and 'megatron' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=60)
+
+
+def test_torch_made_groups_do_not_import_megatron() -> None:
+    """The torch-only groups' creator (train kinds with ``groups: torch``) runs on a machine without megatron-core:
+    loading it, making the groups and destroying them imports none of it (a fresh process, world 1)."""
+    code = ("import sys, datetime, torch.distributed as dist;"
+            "from lifecycle.distributed.native import NativeParallel;"
+            "from lifecycle.policy.sections import ParallelismConfig;"
+            "dist.init_process_group('gloo', init_method='tcp://127.0.0.1:0', rank=0, world_size=1,"
+            " timeout=datetime.timedelta(seconds=30));"
+            "n = NativeParallel(); n.load(); n.initialize(ParallelismConfig(), timeout_s=30);"
+            "assert n.get_group('world') is dist.group.WORLD; n.destroy(); dist.destroy_process_group();"
+            "bad = sorted(m for m in sys.modules if m.startswith('megatron')); assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=60,
+                   env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 # Megatron's own initialize_model_parallel as the oracle, without processes: its group factory is

@@ -16,7 +16,7 @@ the counter as a :meth:`OpCounter.snapshot`), the warmed groups (a tuple, replac
 ``tests/unit/test_context.py`` holds the owners and the thread rule.
 
 The one name of a deadline is its ``watchdog.deadlines`` key: ``step`` bounds each step of the train phase
-(:func:`lifecycle.policy.base.deadline_key` says which key bounds a phase; nothing maps a key back to a phase).
+(:func:`lifecycle.watchdog.tracker.deadline_key` says which key bounds a phase; nothing maps a key back to a phase).
 """
 
 from __future__ import annotations

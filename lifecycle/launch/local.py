@@ -115,11 +115,11 @@ def launch_local(argv: list[str], nproc: int, run_dir: Path, *, env: dict[str, s
                 print(f"lifecycle: the ranks' preload process did not start ({why}); starting each rank by itself",
                       file=sys.stderr, flush=True)
                 break
-            try:
-                return _launch_forked(zygote, argv, envs, logs, console, run_dir, kill_grace_s, preempt_grace_s,
-                                      poll_s, start)
-            except _NoRankForked:
-                zygote = pool.take(argv, run_dir, preload, env)
+            result = _launch_forked(zygote, argv, envs, logs, console, run_dir, kill_grace_s, preempt_grace_s,
+                                    poll_s, start)
+            if result is not None:
+                return result
+            zygote = pool.take(argv, run_dir, preload, env)
     finally:
         if own:
             pool.close()
@@ -150,10 +150,6 @@ def _watch(procs: dict[int, Any], trap: SignalTrap, run_dir: Path, kill_grace_s:
         return job.run(run_dir, kill_grace_s, preempt_grace_s, start)
     finally:
         job.kill_all()
-
-
-class _NoRankForked(OSError):
-    """The preload process was gone before the first rank of a launch was forked (nothing to clean up)."""
 
 
 class PreloadPool:
@@ -188,8 +184,9 @@ class PreloadPool:
 
 def _launch_forked(zygote: preload_mod.Zygote, argv: list[str], envs: dict[int, dict[str, str]],
                    logs: dict[int, Path], console: set[int], run_dir: Path, kill_grace_s: float,
-                   preempt_grace_s: float, poll_s: float, start: float) -> LaunchResult:
-    """:func:`launch_local` with ranks forked from the preload process (the same monitoring and shutdown)."""
+                   preempt_grace_s: float, poll_s: float, start: float) -> LaunchResult | None:
+    """:func:`launch_local` with ranks forked from the preload process (the same monitoring and shutdown); None when
+    the preload process was gone before the first rank was forked (the caller replaces it)."""
     from torch.distributed.elastic.multiprocessing.tail_log import TailLog
 
     tail = TailLog("lifecycle", {r: str(logs[r]) for r in sorted(console) if r in logs}, sys.stdout,
@@ -203,10 +200,10 @@ def _launch_forked(zygote: preload_mod.Zygote, argv: list[str], envs: dict[int, 
                         "TORCHELASTIC_ERROR_FILE": str(rundir.error_file(run_dir, r))}
                 try:
                     procs[r] = zygote.fork(r, argv, full, logs[r])
-                except OSError as exc:
+                except OSError:
                     if procs:
                         raise
-                    raise _NoRankForked(str(exc)) from exc
+                    return None  # the preload process was gone before the first rank: nothing to clean up
             tail.start()
             trap.arm()
             started = True

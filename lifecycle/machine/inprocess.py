@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from torch.distributed import Store
 
     from lifecycle.context import RunContext
+    from lifecycle.watchdog.run import WatchedRun
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ class InProcessRestart:
     """The store the next attempt's process groups are created on (under a prefix of their own)."""
 
 
-def refusal(ctx: RunContext, phase: str | None, cause: str) -> str | None:
+def refusal(ctx: WatchedRun, phase: str | None, cause: str) -> str | None:
     """Why a failure of ``cause`` (a watchdog cause, or ``peer`` when no watchdog named one) in ``phase`` cannot be
     recovered in place; None when it can."""
     if ctx.own_loop:

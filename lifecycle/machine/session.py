@@ -260,7 +260,9 @@ def start_watchdog(ctx: RunContext) -> None:
     if cfg.sequence_check:
         ctx.phase_hooks.append(SequenceCheck())
     if cfg.enabled:
-        ctx.watchdog = Watchdog(ctx).start()
+        from lifecycle.machine.inprocess import refusal
+
+        ctx.watchdog = Watchdog(ctx, refusal=refusal).start()
 
 
 def _drill_fired(events: EventLog, drill: FaultDrill) -> None:

@@ -16,12 +16,6 @@ DEADLINE_KEYS: tuple[str, ...] = ("init", "warmup", "step", "checkpoint", "teard
 """The ``watchdog.deadlines`` keys: the one name of each deadline, in the YAML, the engine, events and reports."""
 
 
-def deadline_key(phase: str) -> str:
-    """The ``watchdog.deadlines`` key that bounds ``phase`` (``step`` bounds each step of the train phase). The one
-    place a phase name becomes a deadline name; nothing maps back."""
-    return "step" if phase == "train" else phase
-
-
 """The phase names, declared once (``lifecycle.machine.graph`` reads them from here: the policy layer
 imports nothing from the machine)."""
 

@@ -53,10 +53,12 @@ from lifecycle.watchdog.straggler import StragglerDetector
 from lifecycle.watchdog.tracker import ProgressTracker
 
 if TYPE_CHECKING:
-    from lifecycle.context import RunContext
+    from lifecycle.watchdog.run import WatchedRun
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+Refusal = Callable[["WatchedRun", "str | None", str], "str | None"]
+"""Why a failure of a cause in a phase cannot be restarted in place (:func:`lifecycle.machine.inprocess.refusal`)."""
 CONNECT_ATTEMPT_S = 1.0  # one attempt of the side channel's connect (retried until the init deadline)
 STRAGGLER_EVERY_S = 1.0  # rank 0 compares the compute medians at most this often
 FRESHEN_MAX = 64  # dead or silent ranks whose events file is read to freshen their record
@@ -66,8 +68,11 @@ FULL_VIEW_MAX = 1024  # above this world size a rank reads only the records it n
 class Watchdog:
     """Per-rank watchdog. ``start()`` before the orchestrator runs, ``stop()`` when the run returns."""
 
-    def __init__(self, ctx: RunContext) -> None:
+    def __init__(self, ctx: WatchedRun, *, refusal: Refusal | None = None) -> None:
+        """``refusal(ctx, phase, cause)``: why a failure cannot be restarted in place (None: it can); without one
+        this rank never asks for a restart in place."""
         self.ctx, self.cfg = ctx, ctx.policy.watchdog
+        self._refusal = refusal
         self.rank, self.world = ctx.rank, ctx.world_size
         self.progress = ProgressTracker(ctx.rank, extra=self._extra, members=lambda label: members_of(ctx, label))
         self.failing = False
@@ -256,11 +261,9 @@ class Watchdog:
         phase (:class:`~lifecycle.errors.RestartRequested` at its next step boundary, or a collective that breaks
         when the failed rank's groups go) and wait for it up to ``restart.in_process_deadline_s``. True when it
         left; False when it did not (a collective that cannot be given up): the policy's action follows."""
-        from lifecycle.machine.inprocess import refusal
-
         restart = self.ctx.policy.restart
-        if restart.mode != "in_process" or not restart.max_restarts or \
-                refusal(self.ctx, self.progress.phase, cause.kind) is not None:
+        if restart.mode != "in_process" or not restart.max_restarts or self._refusal is None or \
+                self._refusal(self.ctx, self.progress.phase, cause.kind) is not None:
             return False
         from lifecycle.distributed.sockets import cut_connections, store_port
 
@@ -438,7 +441,7 @@ class Watchdog:
         return extra
 
 
-def abort_and_exit(ctx: RunContext, code: int) -> None:
+def abort_and_exit(ctx: WatchedRun, code: int) -> None:
     """Abort every process group (bounded: a helper thread, 2 s), close the event log and leave."""
     def abort() -> None:
         try:

@@ -13,13 +13,13 @@ from typing import TYPE_CHECKING
 from lifecycle.distributed.groups import group_ranks
 
 if TYPE_CHECKING:
-    from lifecycle.context import RunContext
+    from lifecycle.watchdog.run import WatchedRun
 
 log = logging.getLogger(__name__)
 EVERY_RANK = ("world", "store")
 
 
-def members_of(ctx: RunContext, label: str) -> list[int] | None:
+def members_of(ctx: WatchedRun, label: str) -> list[int] | None:
     """The ranks of this rank's group ``label``, ascending, or None."""
     if label in EVERY_RANK:
         return list(range(ctx.world_size))

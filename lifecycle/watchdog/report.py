@@ -23,7 +23,7 @@ from lifecycle.rundir import HANG_REPORT, local_report_name, newer_attempt, safe
 from lifecycle.watchdog import diagnosis
 
 if TYPE_CHECKING:
-    from lifecycle.context import RunContext
+    from lifecycle.watchdog.run import WatchedRun
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ def reporter(d: diagnosis.Diagnosis, world: int) -> int:
     return min((r for r in range(world) if r not in d.dead), default=0)
 
 
-def publish(ctx: RunContext, d: diagnosis.Diagnosis, *, dump_stacks: bool) -> None:
+def publish(ctx: WatchedRun, d: diagnosis.Diagnosis, *, dump_stacks: bool) -> None:
     """Print the report on this rank, record a ``hang_report`` event, write the JSON on the reporter (the first
     report of the attempt only)."""
     path = Path(ctx.run_dir) / HANG_REPORT
@@ -63,7 +63,7 @@ def publish(ctx: RunContext, d: diagnosis.Diagnosis, *, dump_stacks: bool) -> No
         dump_stacks_of(ctx)
 
 
-def publish_local(ctx: RunContext, d: diagnosis.Diagnosis) -> None:
+def publish_local(ctx: WatchedRun, d: diagnosis.Diagnosis) -> None:
     """This rank cannot reach its peers: print its own view, write ``hang_report.<rank>.json`` beside the run's
     files, record the event, dump the stacks."""
     path = Path(ctx.run_dir) / local_report_name(ctx.rank)
@@ -75,7 +75,7 @@ def publish_local(ctx: RunContext, d: diagnosis.Diagnosis) -> None:
     dump_stacks_of(ctx)
 
 
-def dump_stacks_of(ctx: RunContext) -> None:
+def dump_stacks_of(ctx: WatchedRun) -> None:
     """Every Python thread's stack (faulthandler) into ``logs/rank_<R>.stacks.txt``, one line on stderr naming
     it: the console (rank 0's log is tailed there, every rank's under torchrun) keeps the report readable. When
     that file cannot be written, the stacks go to stderr."""
@@ -97,7 +97,7 @@ def dump_stacks_of(ctx: RunContext) -> None:
         pass
 
 
-def publish_usage(ctx: RunContext, d: diagnosis.Diagnosis) -> None:
+def publish_usage(ctx: WatchedRun, d: diagnosis.Diagnosis) -> None:
     """A configuration error: one line on stderr and an event (the error itself says what to fix)."""
     where = "this rank" if d.origin == ctx.rank else f"rank {d.origin}" if d.origin is not None else "a rank"
     print(f"[rank {ctx.rank}] lifecycle: stopping in phase {d.phase}: {where} hit a configuration error: "
@@ -126,7 +126,7 @@ def _write_json(path: Path, data: JsonDict, *, first_only: bool = False) -> bool
         return False
 
 
-def flight_recorder(ctx: RunContext) -> str | None:
+def flight_recorder(ctx: WatchedRun) -> str | None:
     """NCCL only: this rank's Flight Recorder dump path (dumped now when torch can), else None."""
     if not ctx.policy.distributed.flight_recorder.enabled or "torch.distributed" not in sys.modules:
         return None

@@ -28,13 +28,13 @@ from typing import TYPE_CHECKING
 
 from lifecycle.errors import HangError, SequenceMismatch
 from lifecycle.jsontypes import JsonDict
-from lifecycle.policy.base import deadline_key
 from lifecycle.watchdog.members import EVERY_RANK, members_of
+from lifecycle.watchdog.tracker import deadline_key
 
 if TYPE_CHECKING:
     from torch.distributed import Store
 
-    from lifecycle.context import RunContext
+    from lifecycle.watchdog.run import CheckedRun
 
 log = logging.getLogger(__name__)
 PROBE_MAX_GROUP = 64  # larger groups are left to the deadline (reading their records costs O(size))
@@ -48,7 +48,7 @@ class SequenceCheck:
         self.index = 0
         self._groups: dict[str, tuple[int, int] | None] = {}
 
-    def __call__(self, ctx: RunContext, old: str | None, new: str, failure: bool) -> None:
+    def __call__(self, ctx: CheckedRun, old: str | None, new: str, failure: bool) -> None:
         if failure or old is None or ctx.comms.store is None or ctx.world_size == 1:
             return
         self.index += 1
@@ -56,7 +56,7 @@ class SequenceCheck:
         with ctx.events.span("sequence_check", boundary=f"{old}->{new}", labels=len(counts)):
             check(ctx, f"lifecycle/seq/{self.index}", counts, old)
 
-    def counts(self, ctx: RunContext) -> dict[str, list[int]]:
+    def counts(self, ctx: CheckedRun) -> dict[str, list[int]]:
         """``{label: [ops, first rank of the group, group size]}`` for every label this rank used."""
         out = {}
         for label, n in sorted(ctx.ops.snapshot()[0].items()):
@@ -74,7 +74,7 @@ def digest(counts: dict[str, list[int]]) -> str:
     return hashlib.sha1(json.dumps(flat).encode()).hexdigest()[:16]
 
 
-def check(ctx: RunContext, base: str, counts: dict[str, list[int]], phase: str) -> None:
+def check(ctx: CheckedRun, base: str, counts: dict[str, list[int]], phase: str) -> None:
     """Publish this rank's counts and wait for the verdict. Every rank must call it with the same ``base``."""
     store, rank, world = ctx.require_store(), ctx.rank, ctx.world_size
     mine = digest(counts)
@@ -141,7 +141,7 @@ def describe(mismatches: list[JsonDict], phase: str) -> str:
             + ". A rank skipped or added a collective: the next op on that group would hang")
 
 
-def _await(ctx: RunContext, base: str, phase: str) -> str:
+def _await(ctx: CheckedRun, base: str, phase: str) -> str:
     limit = ctx.deadlines.deadline(deadline_key(phase))
     store, deadline = ctx.require_store(), time.monotonic() + limit
     probe_at, delay = time.monotonic() + _PROBE_AFTER_S, 0.002
@@ -162,7 +162,7 @@ def _await(ctx: RunContext, base: str, phase: str) -> str:
     return bytes(store.get(f"{base}/verdict")).decode()
 
 
-def probe(ctx: RunContext, phase: str) -> tuple[str, str, list[int]] | None:
+def probe(ctx: CheckedRun, phase: str) -> tuple[str, str, list[int]] | None:
     """A member of one of this rank's small groups blocked in an op this rank will not issue in ``phase``."""
     wd = ctx.watchdog
     if wd is None:

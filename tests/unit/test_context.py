@@ -40,11 +40,11 @@ WATCHDOG_THREAD = ["watchdog/core.py", "watchdog/report.py", "watchdog/members.p
 SAFE_READS: dict[str, set[str] | None] = {
     # frozen identity
     "policy": None, "run_dir": None, "rank": None, "world_size": None, "local_rank": None, "attempt": None,
-    "identity": None,
+    "own_loop": None, "identity": None,
     # guarded: their own locks
     "deadlines": {"deadline", "derivation"}, "ops": {"snapshot"}, "compute": {"fields"}, "events": None,
     # replaced whole (a tuple, an int), or fixed for the round
-    "comms": {"groups", "restart_round"}, "step": None, "parallel": None,
+    "comms": {"groups", "restart_round"}, "step": None, "parallel": None, "progress": {"restarts_left"},
 }
 """What the watchdog thread may read of the context (``None``: anything below it)."""
 
@@ -141,6 +141,22 @@ def test_the_watchdog_thread_reads_only_frozen_guarded_or_whole_replaced_state()
                      f"(give it one, then declare it in SAFE_READS): {sorted(set(bad))}")
 
 
+def test_the_watchdog_names_the_run_only_through_its_protocols() -> None:
+    """lifecycle.watchdog.run states what the watchdog reads (mypy holds it to that); no watchdog module imports the
+    context or the machine, type hints included: the engine gives the watchdog what it needs (its refusal rule too)."""
+    above = []
+    for path in sorted((PKG / "watchdog").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [
+                a.name for a in node.names] if isinstance(node, ast.Import) else []
+            above += [f"{path.name}: {n}" for n in names if n.startswith(("lifecycle.context", "lifecycle.machine"))]
+    assert not above, above
+    from lifecycle.watchdog import run
+
+    declared = {name for cls in (run.WatchedRun,) for name in dir(cls) if not name.startswith("_")}
+    assert declared == set(SAFE_READS) - {"local_rank", "identity"}, declared ^ set(SAFE_READS)
+
+
 def _ctx(tmp_path: Path):  # type: ignore[no-untyped-def]
     from lifecycle.context import RunContext
     from lifecycle.distributed.faults import Drills
@@ -166,9 +182,10 @@ def test_the_identity_is_frozen_and_init_agrees_the_attempt_once(tmp_path: Path)
 
 def test_the_step_deadline_has_one_name(tmp_path: Path) -> None:
     from lifecycle.context import ADAPTIVE, DeadlineBook
-    from lifecycle.policy.base import DEADLINE_KEYS, deadline_key
+    from lifecycle.policy.base import DEADLINE_KEYS
     from lifecycle.policy.schema import Deadlines
     from lifecycle.watchdog.adaptive import AdaptiveDeadline
+    from lifecycle.watchdog.tracker import deadline_key
 
     ctx = _ctx(tmp_path)
     assert set(DEADLINE_KEYS) == set(Deadlines.model_fields), "the keys are the YAML's"

@@ -7,11 +7,22 @@ import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def session_helpers() -> list[Any]:
+    """multiprocessing's resource tracker and the ranks' forkserver (tests/_dist.py): direct children of this process
+    shared by the whole session, not leaks. A rank forked from the forkserver shares its command line but is the
+    forkserver's child, so it is still counted."""
+    import psutil
+
+    return [c for c in psutil.Process().children() if any(
+        k in " ".join(c.cmdline()) for k in ("resource_tracker", "forkserver"))]
 
 
 @pytest.fixture(autouse=True)
@@ -34,12 +45,9 @@ def _clean_process(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     try:
         import psutil
 
+        helpers = session_helpers()
         children = [c for c in psutil.Process().children(recursive=True) if c.is_running()
-                    and c.status() != psutil.STATUS_ZOMBIE]
-        # multiprocessing's resource tracker and the ranks' forkserver (tests/_dist.py) are shared by the whole
-        # session: not leaks (the ranks forked from the forkserver are, and are counted).
-        children = [c for c in children if not any(k in " ".join(c.cmdline()) for k in ("resource_tracker",
-                                                                                      "forkserver"))]
+                    and c.status() != psutil.STATUS_ZOMBIE and c not in helpers]
     except Exception:  # noqa: BLE001 - psutil races with exiting children
         children = []
     if children:

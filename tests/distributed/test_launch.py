@@ -186,6 +186,8 @@ def test_no_rank_survives_a_launcher_error(tmp_path: Path, monkeypatch: pytest.M
     monkeypatch.setattr(lifecycle.rundir, "last_event", broken)  # fault injection after the failure
     with pytest.raises(RuntimeError, match="injected launcher fault"):
         launch_local(_worker("fail.py", 1, "sleep"), 3, tmp_path)
+    from tests.conftest import session_helpers
+
     left = [c for c in psutil.Process().children(recursive=True)
-            if "resource_tracker" not in " ".join(c.cmdline()) and c.status() != psutil.STATUS_ZOMBIE]
+            if c not in session_helpers() and c.status() != psutil.STATUS_ZOMBIE]
     assert left == []

@@ -25,10 +25,10 @@ pytestmark = [pytest.mark.distributed]
 EXAMPLE = ROOT / "examples" / "own_loop" / "megatron_core_loop.py"
 
 
-def _cmd(nproc: int, args: list[str], overrides: list[str]) -> list[str]:
+def _cmd(nproc: int, args: list[str], overrides: list[str], torchrun: tuple[str, ...] = ()) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id",
-            f"own-{os.getpid()}-{time.monotonic_ns()}", str(EXAMPLE), *args, "--", *overrides]
+            f"own-{os.getpid()}-{time.monotonic_ns()}", *torchrun, str(EXAMPLE), *args, "--", *overrides]
 
 
 def _env(notes: Path | None = None) -> dict[str, str]:
@@ -36,10 +36,10 @@ def _env(notes: Path | None = None) -> dict[str, str]:
             **({"LIFECYCLE_EXAMPLE_NOTES": str(notes)} if notes is not None else {})}
 
 
-def _run(tmp_path: Path, args: list[str], *overrides: str, nproc: int = 4,
-         timeout: float = 100) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(_cmd(nproc, args, [f"run.dir={tmp_path / 'run'}", *overrides]), capture_output=True,
-                          text=True, timeout=timeout, env=_env(tmp_path / "notes"), cwd=tmp_path)
+def _run(tmp_path: Path, args: list[str], *overrides: str, nproc: int = 4, timeout: float = 100,
+         torchrun: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(_cmd(nproc, args, [f"run.dir={tmp_path / 'run'}", *overrides], torchrun),
+                          capture_output=True, text=True, timeout=timeout, env=_env(tmp_path / "notes"), cwd=tmp_path)
 
 
 def _notes(tmp_path: Path, what: str) -> list[int]:
@@ -176,7 +176,10 @@ def test_the_trainers_own_save_is_wrapped_committed_and_tracked(tmp_path: Path) 
 
 @pytest.mark.timeout(120)
 def test_a_live_layout_that_is_not_the_policys_fails_on_every_rank_naming_both(tmp_path: Path) -> None:
-    proc = _run(tmp_path, ["--steps", "2", "--ep", "2"], "parallelism.ep=1", nproc=2)
+    # torchrun stops the other ranks at its first look after one failed (every 0.1 s by default): looking every 4 s
+    # lets each rank reach its own check (on 2 busy cores one can be a second behind), which is what is tested.
+    proc = _run(tmp_path, ["--steps", "2", "--ep", "2"], "parallelism.ep=1", nproc=2,
+                torchrun=("--monitor-interval", "4"))
     assert proc.returncode != 0
     err = proc.stderr
     assert err.count("parallelism.ep: the trainer's model-parallel groups have ep=2, the policy 1") == 2, err[-3000:]

@@ -1,8 +1,10 @@
-"""examples/own_loop/megatron_core_loop.py under torchrun at world 4 (gloo, real megatron-core GPT-MoE, EP=2):
-the trainer owns its loop and adopts lifecycle with ``attach``/``watch``/``steps``.
+"""examples/own_loop/megatron_core_loop.py under torchrun (gloo, real megatron-core GPT-MoE, EP=2): the trainer
+owns its loop and adopts lifecycle with ``attach``/``watch``/``steps``.
 
-Each test is one or two launches (~20 s each on 2 cores); faults come from outside the lifecycle engine: a hang in
-the trainer's own step, a SIGTERM sent to one rank's process.
+The whole loop, its resume, the groups it warms and a hang in the trainer's own step run at world 4; a SIGTERM sent
+to one rank's process, the trainer's own save and a wrong layout at world 2,
+where each rank still has a peer in every group that matters (its expert-parallel partner, the data-parallel group)
+at half the start-up (each torchrun rank imports megatron-core itself).
 """
 
 from __future__ import annotations
@@ -92,6 +94,7 @@ def test_the_own_loop_warms_saves_commits_and_a_rerun_resumes(tmp_path: Path) ->
 @pytest.mark.timeout(120)
 def test_a_rank_frozen_in_the_trainers_step_is_named_and_every_rank_exits_with_the_hang_code(tmp_path: Path) -> None:
     t0 = time.monotonic()
+    # world 4: the waiting ranks' open collectives name the frozen one (at world 2 both sit in a step: undecided)
     proc = _run(tmp_path, ["--steps", "6", "--freeze", "2:3", "--eval-every", "1"], "watchdog.deadlines.step=5")
     took = time.monotonic() - t0
     run = tmp_path / "run"
@@ -107,7 +110,7 @@ def test_a_rank_frozen_in_the_trainers_step_is_named_and_every_rank_exits_with_t
 @pytest.mark.timeout(120)
 def test_sigterm_to_one_rank_saves_on_every_rank_and_exits_0(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    proc = subprocess.Popen(_cmd(4, ["--steps", "40", "--step-sleep", "0.3", "--own-sigterm"], [f"run.dir={run}"]),
+    proc = subprocess.Popen(_cmd(2, ["--steps", "40", "--step-sleep", "0.3", "--own-sigterm"], [f"run.dir={run}"]),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(tmp_path / "notes"),
                             cwd=tmp_path)
     try:
@@ -119,7 +122,7 @@ def test_sigterm_to_one_rank_saves_on_every_rank_and_exits_0(tmp_path: Path) -> 
     assert proc.returncode == 0, out[-4000:]
     stop = [e for e in read_events(run)[0] if e["name"] == "exit"][-1]["stop_step"]
     assert stop is not None and 2 <= stop < 40
-    assert _exits(run) == {0: 0, 1: 0, 2: 0, 3: 0}
+    assert _exits(run) == {0: 0, 1: 0}
     assert (run / "checkpoints" / "latest").read_text().strip() == f"iter_{stop:07d}"
     assert f"preempted at step {stop}, saved" in out
     assert _notes(tmp_path, "own_sigterm") == [1]  # the trainer's own handler, chained after lifecycle's
@@ -162,7 +165,7 @@ def _environ(pid: int) -> list[str]:
 @pytest.mark.timeout(120)
 def test_the_trainers_own_save_is_wrapped_committed_and_tracked(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    proc = _run(tmp_path, ["--steps", "4", "--own-save"], "checkpoint.every_steps=2")
+    proc = _run(tmp_path, ["--steps", "4", "--own-save"], "checkpoint.every_steps=2", nproc=2)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     own = run / "own_checkpoints"
     assert (own / "latest").read_text().strip() == "iter_0000004"
@@ -170,7 +173,7 @@ def test_the_trainers_own_save_is_wrapped_committed_and_tracked(tmp_path: Path) 
     assert sorted(p.name for p in own.glob("iter_*")) == ["iter_0000002", "iter_0000004"]
     assert (own / "iter_0000002" / "manifest.json").is_file()
     assert not (run / "checkpoints" / "latest").exists()  # lifecycle saved nothing of its own
-    names = [e["name"] for e in read_events(run)[3] if e["kind"] == "end"]
+    names = [e["name"] for e in read_events(run)[1] if e["kind"] == "end"]
     assert names.count("barrier:ckpt_written") == 2 and names.count("commit") == 2
 
 

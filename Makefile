@@ -39,7 +39,7 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy lifecycle
 
 test: lint
-	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q -p no:randomly -m "not slow" --durations=15
+	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q -p no:randomly -m "not slow" --durations=40
 
 test-slow: $(STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q -p no:randomly -m slow --durations=15
@@ -63,7 +63,7 @@ test-latest:
 	$(LATEST)/bin/python -m tests.lockfile $(LOCK) $(LATEST)/versions.txt
 	$(LATEST)/bin/ruff check
 	$(LATEST)/bin/mypy lifecycle
-	OMP_NUM_THREADS=1 $(LATEST)/bin/pytest -q -p no:randomly -m "not slow" --durations=15
+	OMP_NUM_THREADS=1 $(LATEST)/bin/pytest -q -p no:randomly -m "not slow" --durations=40
 
 clean:
 	rm -rf $(VENV) $(LATEST) runs

@@ -64,6 +64,10 @@ def dir_problem(path_text: str, key: str = "folder") -> str | None:
     return None
 
 
+_PROBE = re.compile(r"^\.lifecycle-probe-\d+$")
+"""The writability probe a starting rank writes and removes (another rank of the job may be looking meanwhile)."""
+
+
 def _probe(folder: Path) -> None:
     probe = folder / f".lifecycle-probe-{os.getpid()}"
     fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
@@ -114,7 +118,7 @@ def check_owner(run_dir: str, adopt_existing: bool, *, peers_starting: bool = Fa
     path = Path(run_dir)
     try:
         # Empty folders are nobody's data (the checkpoint folder other ranks create at start-up, say).
-        entries = [p.name for p in path.iterdir() if not _empty_dir(p)
+        entries = [p.name for p in path.iterdir() if not _empty_dir(p) and not _PROBE.match(p.name)
                    and not (peers_starting and _peer_made(p))] if path.is_dir() else []
     except OSError:
         return  # dir_problem names it

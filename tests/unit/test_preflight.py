@@ -164,6 +164,13 @@ def test_a_foreign_folder_is_refused_unless_adopted(tmp_path: Path) -> None:
 
     check_owner(str(tmp_path / "missing"), False)
     check_owner(str(tmp_path), False)  # empty
+    # another starting rank's writability probe, there for a moment (seen once on a two-node torchrun job): ours
+    (tmp_path / ".lifecycle-probe-7692").write_bytes(b"lifecycle\n")
+    check_owner(str(tmp_path), False)
+    (tmp_path / ".lifecycle-probe-7692x").write_bytes(b"x")  # not the probe's name: someone else's
+    with pytest.raises(PolicyError, match=r"did not make \(.lifecycle-probe-7692x\)"):
+        check_owner(str(tmp_path), False)
+    (tmp_path / ".lifecycle-probe-7692x").unlink()
     (tmp_path / "data.bin").write_bytes(b"x")
     with pytest.raises(PolicyError, match=r"run.dir: is a non-empty folder lifecycle did not make \(data.bin\)"):
         check_owner(str(tmp_path), False)

@@ -76,10 +76,10 @@ def test_late_rank_at_barrier_point_is_named(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(120)
 def test_hang_in_teardown_exits_with_code_5(tmp_path: Path) -> None:
-    run = lifecycle_run(tmp_path, 2, "train.steps=0", *FAST, "teardown.deadline_s=12",
+    run = lifecycle_run(tmp_path, 2, "train.steps=0", *FAST, "watchdog.deadlines.teardown=3", "teardown.deadline_s=4",
                         "+faults=[{at: teardown, ranks: [1], action: stall, op: destroy_process_group}]")
     assert run.code == 5, run.output
-    assert "hard deadline of 12s while in step 'destroy_process_group'" in run.log(1)
+    assert "hard deadline of 4s while in step 'destroy_process_group'" in run.log(1)
     assert run.wall_s < 60
 
 

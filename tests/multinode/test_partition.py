@@ -83,11 +83,11 @@ def test_a_cut_link_takes_every_rank_down_in_bounded_time_and_a_rerun_resumes(tm
         assert all(not n.rank_pids() for n in c.nodes)
         last = _committed_step(tmp_path)
         c.mend()
-        c.start("train.steps=300", attempt=2)  # the same commands again
+        c.start(f"train.steps={last + 20}", attempt=2)  # the same commands again, 20 steps further
         codes = c.wait_agents(120)
         assert codes == {n.name: 0 for n in c.nodes}, [n.output()[-3000:] for n in c.nodes]
         assert f"attempt 2: resumed from step {last}" in a.output()
-        assert _committed_step(tmp_path) == 300
+        assert _committed_step(tmp_path) == last + 20
 
 
 @pytest.mark.timeout(150)

@@ -31,6 +31,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Protocol
 
+from lifecycle.policy.base import check_deadline_key
+
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup, Store
 
@@ -165,32 +167,26 @@ class DeadlineBook:
     """
 
     def __init__(self, policy: Policy, learned: Mapping[str, AdaptiveDeadline] | None = None) -> None:
-        from lifecycle.policy.base import DEADLINE_KEYS
-
         unknown = sorted(set(learned or {}) - set(ADAPTIVE))
         if unknown:
             raise ValueError(f"not an adaptive deadline key: {unknown} (one of {ADAPTIVE})")
-        self._policy, self._keys = policy, DEADLINE_KEYS
+        self._policy = policy
         self.learned: Mapping[str, AdaptiveDeadline] = MappingProxyType(dict(learned or {}))
 
-    def _key(self, key: str) -> str:
-        if key not in self._keys:
-            raise ValueError(f"{key!r} is not a watchdog.deadlines key (one of {', '.join(self._keys)})")
-        return key
-
     def deadline(self, key: str) -> float:
-        """The deadline of ``key`` now: the agreed learned value of an ``auto`` one, else the policy's."""
-        model = self.learned.get(self._key(key))
+        """The deadline of ``key`` now: the agreed learned value of an ``auto`` one, else the policy's (which refuses
+        a name that is not a key)."""
+        model = self.learned.get(key)
         return model.effective() if model is not None else self._policy.deadline(key)
 
     def derivation(self, key: str) -> Derivation | None:
         """How an ``auto`` deadline came about (None for a static one)."""
-        model = self.learned.get(self._key(key))
+        model = self.learned.get(check_deadline_key(key))
         return model.derivation() if model is not None else None
 
     def observe(self, key: str, seconds: float) -> None:
         """One duration the ``key`` deadline bounds (a step, a checkpoint span)."""
-        model = self.learned.get(self._key(key))
+        model = self.learned.get(check_deadline_key(key))
         if model is not None:
             model.observe(seconds)
 

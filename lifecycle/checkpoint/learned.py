@@ -55,6 +55,7 @@ def load(ctx: RunContext, folder: Path) -> None:
     then, now = data.get("layout"), _layout(ctx)
     saved = data.get("deadlines") if isinstance(data.get("deadlines"), dict) else {}
     for phase, model in ctx.deadlines.learned.items():
+        # a checkpoint saved before the step deadline had one name keeps it under "train"
         state = saved.get(phase, saved.get("train") if phase == "step" else None) if isinstance(saved, dict) else None
         if then != now:
             how = (f"static {model.static_s:g}s: the deadline learned in {source} was for {_fmt(then)}, this run is "

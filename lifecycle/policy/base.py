@@ -16,6 +16,13 @@ DEADLINE_KEYS: tuple[str, ...] = ("init", "warmup", "step", "checkpoint", "teard
 """The ``watchdog.deadlines`` keys: the one name of each deadline, in the YAML, the engine, events and reports."""
 
 
+def check_deadline_key(key: str) -> str:
+    """``key`` when it is a ``watchdog.deadlines`` key, else a ValueError naming the keys (``train`` is a phase)."""
+    if key not in DEADLINE_KEYS:
+        raise ValueError(f"{key!r} is not a watchdog.deadlines key (one of {', '.join(DEADLINE_KEYS)})")
+    return key
+
+
 """The phase names, declared once (``lifecycle.machine.graph`` reads them from here: the policy layer
 imports nothing from the machine)."""
 

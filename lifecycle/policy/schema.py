@@ -17,7 +17,7 @@ from pydantic import (
 )
 
 from lifecycle.errors import PolicyError, PolicyIssue
-from lifecycle.policy.base import DEADLINE_KEYS, Flag, Phase, PositiveSteps, Seconds, Section, Steps
+from lifecycle.policy.base import Flag, Phase, PositiveSteps, Seconds, Section, Steps, check_deadline_key
 from lifecycle.policy.sections import (
     BarriersConfig,
     DistributedConfig,
@@ -339,12 +339,10 @@ class Policy(Section):
     def deadline(self, key: str) -> float:
         """The static watchdog deadline ``watchdog.deadlines.<key>`` in seconds (``auto`` reads as its ceiling; the
         run's deadline book applies the learned value). ``key`` is a deadline's one name: ``step``, not ``train``."""
-        if key not in DEADLINE_KEYS:
-            raise ValueError(f"{key!r} is not a watchdog.deadlines key (one of {', '.join(DEADLINE_KEYS)})")
-        return self.watchdog.deadlines.static(key)
+        return self.watchdog.deadlines.static(check_deadline_key(key))
 
     def is_auto(self, key: str) -> bool:
-        return self.deadline(key) > 0 and getattr(self.watchdog.deadlines, key) == "auto"
+        return getattr(self.watchdog.deadlines, check_deadline_key(key)) == "auto"
 
 
 def default_run_id() -> str:

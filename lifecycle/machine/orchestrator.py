@@ -41,6 +41,8 @@ class Orchestrator:
             raise RuntimeError(f"no handler for main-path phases {sorted(missing)}")
         self._entered: dict[str, float] = {}
         self.error: BaseException | None = None
+        self.shutdown: Shutdown | None = None
+        """The :class:`Shutdown` the launcher's SIGTERM raised in this rank (set by the signal handler)."""
 
     def _enter(self, phase: str, *, failure: bool = False) -> None:
         check_transition(self.current, phase, failure=failure)
@@ -173,6 +175,31 @@ class Orchestrator:
             return self._fail(exc)
 
     def _explained(self, exc: BaseException) -> BaseException:
+        exc = self._unmasked(exc)
+        return self._storage(exc)
+
+    def _unmasked(self, exc: BaseException) -> BaseException:
+        """The launcher's :class:`Shutdown` where a library turned it into an error of its own.
+
+        The signal handler raises it wherever the main thread is; inside a C++ callback (torch.save's writer, a
+        pybind hook) it comes out as that library's error (``unexpected pos 704 vs 598``), which would make this
+        rank look like it failed by itself. Once the launcher is taking the job down, whatever this rank raises
+        next is the consequence of another rank's failure, whatever its type."""
+        raised = self.shutdown
+        if raised is None or isinstance(exc, Shutdown):
+            return exc
+        seen: set[int] = set()
+        link: BaseException | None = exc
+        while link is not None and id(link) not in seen:  # the Shutdown itself, kept as a cause or context
+            if isinstance(link, Shutdown):
+                return link
+            seen.add(id(link))
+            link = link.__cause__ or link.__context__
+        unmasked = Shutdown(f"{raised} (it surfaced as {type(exc).__name__}: {' '.join(str(exc).split())[:300]})")
+        unmasked.__cause__ = exc
+        return unmasked
+
+    def _storage(self, exc: BaseException) -> BaseException:
         """A write a file system refused (read-only, full, over quota) as one line naming the run's folder it hit
         (:class:`~lifecycle.errors.StorageError`, logged without a traceback: the disk is at fault, not the code)."""
         from lifecycle.rundir.safeio import storage_error

@@ -57,7 +57,8 @@ def install_signals(ctx: RunContext, orchestrator: Orchestrator, *, own_loop: bo
                 # Raise only where the orchestrator turns it into the failure path: not before the run started,
                 # not while a failure is already being handled (the watchdog acts on the marker there).
                 if orchestrator.current not in (None, "teardown") and orchestrator.error is None:
-                    raise Shutdown(f"{name} from the launcher: another rank failed")
+                    orchestrator.shutdown = Shutdown(f"{name} from the launcher: another rank failed")
+                    raise orchestrator.shutdown
                 return
             if orchestrator.current == "teardown":
                 log.info("%s during teardown: ignored", name)

@@ -3,6 +3,11 @@ exit codes."""
 
 from __future__ import annotations
 
+import io
+import os
+import signal
+from typing import Any
+
 import pytest
 import torch.distributed as dist
 
@@ -68,3 +73,56 @@ def test_every_main_path_phase_has_a_handler(make_ctx: MakeCtx) -> None:
     orchestrator = Orchestrator(make_ctx())
     assert set(graph.MAIN_PATH) <= set(orchestrator.handlers)
     assert all(orchestrator.handlers[p].phase == p for p in graph.MAIN_PATH)
+
+
+class _SignalledFile(io.BytesIO):
+    """A file whose 3rd write is interrupted by a real SIGTERM to this process (the handler runs inside the write,
+    called back from torch.save's C++ writer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes = 0
+
+    def write(self, data: Any) -> int:
+        self.writes += 1
+        if self.writes == 3:
+            os.kill(os.getpid(), signal.SIGTERM)  # delivered to this main thread before kill() returns
+        return super().write(data)
+
+
+def test_the_launchers_sigterm_inside_a_torch_save_is_a_shutdown_not_a_failure_of_this_rank(
+        make_ctx: MakeCtx) -> None:
+    """The launcher marked the job as going down (another rank failed) and sends SIGTERM while this rank writes a
+    checkpoint shard: the handler's Shutdown comes out of torch's C++ writer as a RuntimeError ("unexpected pos").
+    That must still be the launcher's shutdown, or this rank is blamed for the failure of another."""
+    import torch
+
+    from lifecycle.errors import Shutdown
+    from lifecycle.machine.session import install_signals
+    from lifecycle.rundir import write_marker
+
+    ctx = make_ctx({"train": {"steps": 2}})
+    orchestrator = Orchestrator(ctx)
+    seen: list[BaseException] = []
+
+    def save_in_train(_ctx, _before, phase, _failure) -> None:  # type: ignore[no-untyped-def]
+        if phase == "train":
+            write_marker(ctx.run_dir, "rank 1 failed", rank=1)
+            try:
+                torch.save({"w": torch.ones(64)}, _SignalledFile())
+            except BaseException as exc:
+                seen.append(exc)
+                raise
+
+    ctx.phase_hooks.append(save_in_train)
+    restore = install_signals(ctx, orchestrator)
+    try:
+        code = orchestrator.run()
+    finally:
+        restore()
+    assert seen and not isinstance(seen[0], Shutdown), "torch.save no longer masks the Shutdown: simplify _unmasked"
+    assert isinstance(orchestrator.error, Shutdown), orchestrator.error
+    assert "SIGTERM from the launcher" in str(orchestrator.error)
+    assert code == orchestrator.exit_code(orchestrator.error)
+    failure = [e for e in read_events(ctx.run_dir)[0] if e["name"] == "failure"][0]
+    assert failure["error"] == "Shutdown", failure

@@ -61,11 +61,11 @@ def _rank(rank: int, world: int, root: str, reps: int) -> dict[str, list[float]]
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
-    from lifecycle import checkpoint as phase
     from lifecycle.backends.megatron import checkpoint, parallel
     from lifecycle.backends.megatron.model import synthetic_batch, train_step
     from lifecycle.backends.megatron.step import MegatronGPTStep
-    from lifecycle.handlers.options import MegatronGPTOptions
+    from lifecycle.phases import checkpoint as phase
+    from lifecycle.policy.options import MegatronGPTOptions
 
     init_gloo(rank, world, timeout_s=300)
     parallel.initialize(ep=2)

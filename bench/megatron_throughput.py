@@ -88,7 +88,7 @@ def _bare_rank(rank: int, world: int, cfg: dict[str, Any], steps: int, skip: int
 
     from lifecycle.backends.megatron import model as m
     from lifecycle.backends.megatron import parallel
-    from lifecycle.handlers.options import MegatronGPTOptions
+    from lifecycle.policy.options import MegatronGPTOptions
 
     parallel.initialize(**cfg["parallel"], timeout_s=300)
     from lifecycle.policy.sections import RunConfig

@@ -23,10 +23,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 POLICY = ["~train.options", "moe.zero_token.action=off", "parallelism.ep=1", "parallelism.tp=2", "train.steps=4",
           "checkpoint.every_steps=2"]
-SPEC = '''from lifecycle.handlers.options import SyntheticOptions
-from lifecycle.handlers.registry import HandlerSpec
+SPEC = '''from lifecycle.policy.options import SyntheticOptions
+from lifecycle.policy.registry import HandlerSpec
 
-SPECS = [HandlerSpec("synthetic_megatron", "train", SyntheticOptions, "lifecycle.handlers.synthetic:SyntheticStep",
+SPECS = [HandlerSpec("synthetic_megatron", "train", SyntheticOptions, "lifecycle.backends.synthetic:SyntheticStep",
                      "the synthetic kind on megatron's groups (bench baseline)", groups="megatron")]
 '''
 

@@ -30,11 +30,11 @@ from lifecycle.policy.versions import LIBRARY_VERSION
 from lifecycle.policy.versions import SCHEMA_VERSION as SCHEMA_VERSION
 
 if TYPE_CHECKING:
-    from lifecycle.handlers.registry import HandlerSpec
     from lifecycle.machine.job import Job, attach
     from lifecycle.moe import install_zero_token_guard
     from lifecycle.phases.train import Decision
     from lifecycle.policy.load import load as load_policy
+    from lifecycle.policy.registry import HandlerSpec
     from lifecycle.policy.schema import Policy
 
 __version__ = LIBRARY_VERSION
@@ -44,7 +44,7 @@ __all__ = ["CheckpointError", "Decision", "HandlerSpec", "HangError", "Job", "Jo
            "load_policy"]
 
 _LAZY = {"attach": ("lifecycle.machine.job", "attach"), "Job": ("lifecycle.machine.job", "Job"),
-         "Decision": ("lifecycle.phases.train", "Decision"), "HandlerSpec": ("lifecycle.handlers.registry", "HandlerSpec"),
+         "Decision": ("lifecycle.phases.train", "Decision"), "HandlerSpec": ("lifecycle.policy.registry", "HandlerSpec"),
          "install_zero_token_guard": ("lifecycle.moe", "install_zero_token_guard"),
          "load_policy": ("lifecycle.policy.load", "load"), "Policy": ("lifecycle.policy.schema", "Policy")}
 

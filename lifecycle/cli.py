@@ -156,8 +156,7 @@ def _explain(args: argparse.Namespace) -> int:
 
 
 def _policies(args: argparse.Namespace) -> int:
-    from lifecycle.handlers import registry
-    from lifecycle.policy import catalog
+    from lifecycle.policy import catalog, registry
     from lifecycle.policy.packs import installed_packs
     from lifecycle.policy.roots import config_roots
 

@@ -36,11 +36,10 @@ from lifecycle.policy.base import check_deadline_key
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup, Store
 
-    from lifecycle.checkpoint.pending import PendingSave
     from lifecycle.distributed.faults import Drills
     from lifecycle.distributed.groups import ResolvedGroup
     from lifecycle.distributed.parallel import ParallelState
-    from lifecycle.handlers.protocols import StepHandler
+    from lifecycle.handlers.protocols import SaveHandle, StepHandler
     from lifecycle.jsontypes import JsonDict
     from lifecycle.obs.events import EventLog
     from lifecycle.policy.schema import Policy
@@ -134,6 +133,19 @@ class StopState:
     thread: Python runs handlers there)."""
     stop_step: int | None = None
     """The step all ranks agreed to stop at (after saving)."""
+
+
+@dataclass
+class PendingSave:
+    """A save begun and not yet committed (an async save's handle until the next step boundary)."""
+
+    handle: SaveHandle
+    step: int
+    tmp: Path
+    """The ``iter_NNNNNNN.tmp`` folder being written."""
+    final: Path
+    """Where the commit renames it."""
+    reason: str
 
 
 @dataclass

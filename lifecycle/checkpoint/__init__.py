@@ -1,9 +1,7 @@
-"""Checkpoints: the directory's rules (:mod:`~lifecycle.checkpoint.ckptdir`), the commit protocol
-(:mod:`~lifecycle.checkpoint.commit`) and resume (:mod:`~lifecycle.checkpoint.resume`). Internal; the megatron
-save itself lives in :mod:`lifecycle.backends.megatron`.
+"""Checkpoint folders and files: the directory's rules (:mod:`~lifecycle.checkpoint.ckptdir`), what a checkpoint
+is bound to (:mod:`~lifecycle.checkpoint.binding`), per-rank files (:mod:`~lifecycle.checkpoint.local_files`), the
+learned deadlines saved with one (:mod:`~lifecycle.checkpoint.learned`) and the progress a run directory shows
+(:mod:`~lifecycle.checkpoint.progress`). Internal. The checkpoint phase that commits them is
+:mod:`lifecycle.phases.checkpoint`, resume :mod:`lifecycle.phases.resume`; the megatron save itself lives in
+:mod:`lifecycle.backends.megatron`.
 """
-
-from lifecycle.checkpoint.commit import ASYNC_COMMIT, PendingSave, TrainerSave, finish_pending, plan, save
-from lifecycle.checkpoint.resume import resume
-
-__all__ = ["ASYNC_COMMIT", "PendingSave", "TrainerSave", "finish_pending", "plan", "resume", "save"]

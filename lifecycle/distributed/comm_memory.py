@@ -24,8 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from lifecycle.distributed.names import GROUP_NAMES
 from lifecycle.jsontypes import JsonDict
+from lifecycle.policy.groupnames import GROUP_NAMES
 
 if TYPE_CHECKING:
     from lifecycle.distributed.groups import ResolvedGroup

@@ -14,8 +14,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from lifecycle.distributed.names import ALL, GROUP_NAMES, closest
 from lifecycle.errors import PhaseError, PolicyError
+from lifecycle.policy.groupnames import ALL, GROUP_NAMES, closest
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup

@@ -20,8 +20,8 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from lifecycle.distributed.names import GROUP_NAMES, closest
 from lifecycle.errors import UsageError
+from lifecycle.policy.groupnames import GROUP_NAMES, closest
 
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"
 _DIMS = ("tp", "pp", "dp", "ep", "cp")

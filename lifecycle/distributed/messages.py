@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from lifecycle.distributed.names import GROUP_NAMES
+from lifecycle.policy.groupnames import GROUP_NAMES
 
 if TYPE_CHECKING:
     from lifecycle.policy.schema import Policy

@@ -18,8 +18,8 @@ import logging
 from typing import TYPE_CHECKING
 
 from lifecycle.distributed.layout import build_layout, check_name
-from lifecycle.distributed.names import GROUP_NAMES
 from lifecycle.errors import PhaseError, UsageError
+from lifecycle.policy.groupnames import GROUP_NAMES
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup

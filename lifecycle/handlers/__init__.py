@@ -1,7 +1,13 @@
-"""Step handlers (``train.kind``): the registry that finds them by name, their options models and the
-protocols a third-party kind implements. Importing this package imports neither torch nor megatron."""
+"""Step handlers (``train.kind``): the protocols a third-party kind implements, and the names a policy pack needs.
 
-from lifecycle.handlers.protocols import SaveHandle, StepHandler
-from lifecycle.handlers.registry import HandlerSpec, register
+The registry that finds kinds by name and the built-in kinds' options models are policy data
+(:mod:`lifecycle.policy.registry`, :mod:`lifecycle.policy.options`); the built-in implementations are backends
+(:mod:`lifecycle.backends.synthetic`, :mod:`lifecycle.backends.megatron`). Importing this package imports neither
+torch nor megatron.
+"""
 
-__all__ = ["HandlerSpec", "SaveHandle", "StepHandler", "register"]
+from lifecycle.handlers.protocols import SaveHandle, StepContext, StepHandler
+from lifecycle.policy.options import ModelSize, SyntheticOptions
+from lifecycle.policy.registry import HandlerSpec, register
+
+__all__ = ["HandlerSpec", "ModelSize", "SaveHandle", "StepContext", "StepHandler", "SyntheticOptions", "register"]

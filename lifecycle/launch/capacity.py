@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from lifecycle import hostinfo
 from lifecycle.errors import UsageError
-from lifecycle.obs import hostinfo
 
 if TYPE_CHECKING:
     from lifecycle.policy.schema import Policy

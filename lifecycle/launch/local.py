@@ -33,7 +33,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from lifecycle import rundir
+import lifecycle.rundir as rundir
 from lifecycle.launch import preload as preload_mod
 from lifecycle.launch.parent import ENV_LAUNCHER_PID
 from lifecycle.launch.signals import SignalTrap, torch_leaves_our_signals

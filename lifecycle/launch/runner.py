@@ -89,7 +89,7 @@ def _launch(policy: Policy, nproc: int, run_dir: Path, overrides: Sequence[str],
     cannot fix (a usage error, a stop the launcher was asked for) or ``restart.max_no_progress`` attempts in a row
     without a newer checkpoint (``exit_codes.no_progress``). Each restart is the next attempt: it resumes from the
     last committed checkpoint."""
-    from lifecycle import rundir
+    import lifecycle.rundir as rundir
 
     if rundir.holds_run(run_dir) and policy.checkpoint.resume == "never":
         raise UsageError(f"run directory {run_dir} already holds a run and checkpoint.resume=never; pick another "
@@ -146,7 +146,7 @@ def _attempt(policy: Policy, nproc: int, run_dir: Path, overrides: Sequence[str]
              restarts_left: int, pool: PreloadPool) -> tuple[int, JsonDict, bool, int]:
     """One attempt (and the attempts its ranks restarted in place): its files, its ranks, its summary. (exit code,
     summary, whether the launcher was stopped, the attempt it started as)."""
-    from lifecycle import rundir
+    import lifecycle.rundir as rundir
     from lifecycle.launch.local import launch_local
     from lifecycle.machine import preflight as checks
     from lifecycle.machine.session import ENV_RESTARTS_LEFT
@@ -190,8 +190,8 @@ def _preload(policy: Policy) -> tuple[str, ...] | None:
     Megatron's), see :mod:`lifecycle.launch.preload`; None (each rank starts by exec) on a machine with an NVIDIA
     driver: an import may touch CUDA there, and a CUDA context does not survive a fork."""
     from lifecycle.distributed.comm_memory import backend_of, has_nvidia_driver
-    from lifecycle.handlers import registry
     from lifecycle.launch import preload
+    from lifecycle.policy import registry
 
     if backend_of(policy) != "gloo" or has_nvidia_driver():
         return None

@@ -12,12 +12,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from lifecycle.distributed.layout import MAX_WORLD_SIZE, Layout, RankSet
-from lifecycle.distributed.names import GROUP_NAMES
 from lifecycle.distributed.ranks import fmt_ranks
 from lifecycle.errors import PolicyError
 from lifecycle.jsontypes import JsonDict
 from lifecycle.machine.plan import Plan, WarmTarget, build_plan
 from lifecycle.policy.checks import world_issues
+from lifecycle.policy.groupnames import GROUP_NAMES
 from lifecycle.policy.load import Loaded, sha256
 from lifecycle.policy.provenance import Origin, provenance
 from lifecycle.policy.provenance import render as render_sources

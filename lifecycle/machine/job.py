@@ -303,7 +303,7 @@ class Job:
         """Wrap the trainer's own save of step ``n``: bounded by the checkpoint deadline; completion agreed over
         the store (late ranks named); with ``path`` (the ``iter_NNNNNNN`` folder the trainer wrote) rank 0 then
         commits it: manifest, fsync, trackers. Every rank enters it at the same step."""
-        from lifecycle.checkpoint import TrainerSave
+        from lifecycle.phases.checkpoint import TrainerSave
 
         self._open("checkpoint")
         between = self._end_between()
@@ -401,7 +401,7 @@ class Job:
         ctx = self.ctx
         with ctx.events.span("watch", chunks=len(chunks), deadline="setup"):
             from lifecycle.backends.megatron.watched import WatchedMegatron, is_megatron
-            from lifecycle.handlers.watched import WatchedModules
+            from lifecycle.backends.watched import WatchedModules
 
             megatron = "megatron.core" in sys.modules and is_megatron(chunks, optimizer)
             if self._checkpoints:
@@ -414,7 +414,7 @@ class Job:
 
                 record_collectives(ctx)
         if self._checkpoints and ctx.policy.checkpoint.resume != "never":
-            from lifecycle.checkpoint import resume
+            from lifecycle.phases.resume import resume
             from lifecycle.phases.train import after_resume
 
             resume(ctx)

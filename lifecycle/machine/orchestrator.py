@@ -68,7 +68,7 @@ class Orchestrator:
 
     def checkpoint(self, ctx: RunContext, reason: str) -> None:
         """train -> checkpoint -> train (called by the train phase at a step boundary)."""
-        from lifecycle.checkpoint import save
+        from lifecycle.phases.checkpoint import save
 
         self._enter("checkpoint")
         save(ctx, reason)

@@ -26,7 +26,7 @@ class Plan:
 
 def build_plan(policy: Policy, view: GroupView | None = None) -> Plan:
     """The ordered actions of every phase; ``view`` expands warmup groups for one rank's layout."""
-    from lifecycle import checkpoint
+    from lifecycle.phases import checkpoint
     from lifecycle.phases.init import InitPhase
     from lifecycle.phases.teardown import TeardownPhase
     from lifecycle.phases.train import TrainPhase

@@ -172,7 +172,7 @@ def check_dirs(run_dir: str, checkpoint_dir: str) -> None:
 
 
 def _run_files() -> tuple[str, ...]:
-    from lifecycle import rundir
+    import lifecycle.rundir as rundir
     from lifecycle.rundir import restarts
 
     return (rundir.RESOLVED, rundir.SHA256, rundir.SHUTDOWN_MARKER, rundir.HANG_REPORT, rundir.SUMMARY, rundir.TRACE,

@@ -106,7 +106,7 @@ def release_run_dir(run_dir: Path) -> None:
 def prepare_rank_dir(policy: Policy, rank: int, world: int, overrides: Sequence[str], *, hint: str) -> Path:
     """One rank of a job started by another launcher (torchrun, srun, a trainer's own): rank 0 checks what can be
     checked before init and writes the resolved policy; every rank checks the folders. The run directory."""
-    from lifecycle import rundir
+    import lifecycle.rundir as rundir
     from lifecycle.policy.load import write_resolved
     from lifecycle.rundir import safeio
 

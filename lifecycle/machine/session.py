@@ -20,7 +20,7 @@ from pathlib import Path
 from types import FrameType, ModuleType
 from typing import TYPE_CHECKING
 
-from lifecycle import rundir
+import lifecycle.rundir as rundir
 from lifecycle.distributed.ranks import fmt_ranks
 from lifecycle.machine.preflight import rank_env
 from lifecycle.rundir import RESOLVED, has_marker
@@ -221,7 +221,7 @@ def _restarts_left(policy: Policy) -> int:
 
 def parallel_for(policy: Policy) -> ParallelState:
     """The model-parallel groups' creator the train kind asks for (its ``HandlerSpec.groups``)."""
-    from lifecycle.handlers import registry
+    from lifecycle.policy import registry
 
     if registry.get("train", policy.train.kind).groups == "torch":
         from lifecycle.distributed.native import NativeParallel

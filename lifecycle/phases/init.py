@@ -233,7 +233,7 @@ def _agree_attempt(ctx: RunContext, attempts: list[int]) -> None:
     own events file, and a replaced node's or a wiped local run directory counts from 1). Ranks that counted
     another number say so, record the agreed one, and rank 0 records it in the run directory, which fences off
     ranks of older attempts (:func:`lifecycle.rundir.fence`)."""
-    from lifecycle import rundir
+    import lifecycle.rundir as rundir
 
     agreed = max(attempts)
     if agreed == ctx.attempt and len(set(attempts)) == 1:

@@ -176,7 +176,7 @@ class TeardownPhase:
 
     def _finalize_async(self, ctx: RunContext) -> None:
         if ctx.progress.pending_save is not None:
-            from lifecycle.checkpoint import finish_pending
+            from lifecycle.phases.checkpoint import finish_pending
 
             finish_pending(ctx)
         self._release_step_handler(ctx)

@@ -14,9 +14,9 @@ from contextlib import closing, contextmanager
 from typing import TYPE_CHECKING, NamedTuple
 
 from lifecycle.context import ADAPTIVE
-from lifecycle.handlers import registry
 from lifecycle.phases.base import Action, GroupView, deadline_text, sequence_check
 from lifecycle.phases.points import run_point
+from lifecycle.policy import registry
 
 if TYPE_CHECKING:
     from lifecycle.context import RunContext
@@ -187,7 +187,7 @@ class StepLoop:
         the (maybe learned, seconds-short) step deadline."""
         if ctx.progress.pending_save is None:
             return
-        from lifecycle.checkpoint import ASYNC_COMMIT, finish_pending
+        from lifecycle.phases.checkpoint import ASYNC_COMMIT, finish_pending
 
         if self.checkpoint is not None:
             self.checkpoint(ctx, ASYNC_COMMIT)
@@ -320,7 +320,7 @@ class TrainPhase:
     def _resume(self, ctx: RunContext) -> None:
         if ctx.policy.checkpoint.resume == "never":
             return
-        from lifecycle.checkpoint import resume
+        from lifecycle.phases.resume import resume
 
         resume(ctx)
         after_resume(ctx)

@@ -8,9 +8,9 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from lifecycle.distributed.messages import requested_groups
-from lifecycle.distributed.names import GROUP_NAMES
 from lifecycle.phases.base import Action, GroupView, WarmTarget, barrier_actions, sequence_check
 from lifecycle.phases.points import run_point
+from lifecycle.policy.groupnames import GROUP_NAMES
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup

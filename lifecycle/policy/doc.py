@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
-from lifecycle.handlers import registry
+from lifecycle.policy import registry
 from lifecycle.policy.schema import Policy
 
 BEGIN, END = "<!-- policy-table:begin -->", "<!-- policy-table:end -->"

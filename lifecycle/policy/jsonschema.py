@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lifecycle.handlers import registry
+from lifecycle.policy import registry
 from lifecycle.policy.schema import Policy
 
 

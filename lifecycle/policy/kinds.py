@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from lifecycle.errors import PolicyError, PolicyIssue
-from lifecycle.handlers import registry
+from lifecycle.policy import registry
 from lifecycle.policy.modelsize import model_size_issues
 from lifecycle.policy.schema import DistributedConfig, Policy, TrainConfig, divisors
 

@@ -1,7 +1,7 @@
 """Model sizes no rank can allocate, refused when the policy is validated (exit 2) instead of an allocation traceback
 after init.
 
-A kind's options model that has ``model_size()`` (:class:`lifecycle.handlers.options.ModelSize`: the built-in kinds)
+A kind's options model that has ``model_size()`` (:class:`lifecycle.policy.options.ModelSize`: the built-in kinds)
 gives a lower estimate of the floats one rank holds; at 4 bytes each it must stay within the larger of
 :data:`MAX_RANK_BYTES` and this machine's memory. The estimate is low on purpose (weights and one micro-batch's
 activations, no optimizer state): a refused size is one that cannot be allocated, never one that merely might not fit.
@@ -12,7 +12,7 @@ from __future__ import annotations
 from pydantic import BaseModel
 
 from lifecycle.errors import PolicyIssue
-from lifecycle.obs.hostinfo import fmt_bytes, memory_bytes
+from lifecycle.hostinfo import fmt_bytes, memory_bytes
 from lifecycle.policy.sections import ParallelismConfig
 
 MAX_RANK_BYTES = 1 << 40

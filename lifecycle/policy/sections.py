@@ -6,8 +6,8 @@ from typing import Literal
 
 from pydantic import Field, PositiveInt, StrictBool, StrictInt, StrictStr, field_validator, model_validator
 
-from lifecycle.distributed.names import GROUP_NAMES, closest
 from lifecycle.policy.base import Flag, Seconds, Section
+from lifecycle.policy.groupnames import GROUP_NAMES, closest
 
 WarmupOp = Literal["barrier", "all_reduce", "all_gather", "all_to_all", "p2p"]
 

@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
-from lifecycle import rundir
+import lifecycle.rundir as rundir
 from lifecycle.errors import ExitCode, HangError, PeerFailed, PeerLeftAfterHang, StoreUnavailable, culprits
 from lifecycle.jsontypes import JsonDict
 from lifecycle.watchdog import causes, diagnosis

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lifecycle import rundir
+import lifecycle.rundir as rundir
 from lifecycle.jsontypes import JsonDict
 from lifecycle.rundir import HANG_REPORT, local_report_name, newer_attempt, safeio
 from lifecycle.watchdog import diagnosis

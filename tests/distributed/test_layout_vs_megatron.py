@@ -19,7 +19,7 @@ def _compare(rank: int, world: int, sizes: dict[str, Any]) -> dict[str, Any]:
 
     from lifecycle.backends.megatron import parallel
     from lifecycle.distributed.layout import build_layout
-    from lifecycle.distributed.names import GROUP_NAMES
+    from lifecycle.policy.groupnames import GROUP_NAMES
 
     init_gloo(rank, world)
     native = _native_groups(rank, sizes)  # first: megatron must not be imported by it
@@ -47,8 +47,8 @@ def _native_groups(rank: int, sizes: dict[str, Any]) -> dict[str, list[int] | No
 
     import torch.distributed as dist
 
-    from lifecycle.distributed.names import GROUP_NAMES
     from lifecycle.distributed.native import NativeParallel
+    from lifecycle.policy.groupnames import GROUP_NAMES
     from lifecycle.policy.sections import ParallelismConfig
 
     preloaded = any(m.startswith("megatron") for m in sys.modules)  # the ranks' forkserver imported it (tests/_dist.py)

@@ -64,7 +64,7 @@ def _pipeline_rank(rank: int, world: int, root: str, store_port: int) -> dict[st
     from lifecycle.backends.megatron import checkpoint as ck
     from lifecycle.backends.megatron import model as m
     from lifecycle.backends.megatron import parallel
-    from lifecycle.handlers.options import MegatronGPTOptions
+    from lifecycle.policy.options import MegatronGPTOptions
 
     parallel.initialize(tp=2, pp=2, ep=2, vpp=2, timeout_s=60)
     store = dist.TCPStore("127.0.0.1", store_port, world, is_master=rank == 0)

@@ -88,7 +88,7 @@ def _train_rank(rank: int, world: int, etp: int) -> dict[str, Any]:
     ps = _setup(etp=etp)
     from lifecycle.backends.megatron import model as m
     from lifecycle.errors import UsageError
-    from lifecycle.handlers.options import MegatronGPTOptions
+    from lifecycle.policy.options import MegatronGPTOptions
 
     t0 = time.perf_counter()
     state = m.build(m.ModelSpec())

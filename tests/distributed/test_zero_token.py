@@ -67,7 +67,7 @@ def _build_layer(experts_cls: type, seed: int = 1234) -> Any:
 
     from lifecycle.backends.megatron.model import parallel_sizes, transformer_config
     from lifecycle.backends.megatron.state import ModelSpec
-    from lifecycle.handlers.options import MegatronGPTOptions
+    from lifecycle.policy.options import MegatronGPTOptions
 
     spec = ModelSpec(MegatronGPTOptions(num_layers=1, hidden=16, ffn_hidden=32, heads=2, num_experts=4, topk=2),
                      aux_loss_coeff=0.0)

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from lifecycle import hostinfo
 from lifecycle.errors import UsageError
 from lifecycle.launch import capacity
-from lifecycle.obs import hostinfo
 from lifecycle.policy.load import load
 from tests.unit.inproc import cli
 

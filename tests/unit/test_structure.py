@@ -192,7 +192,34 @@ def test_the_public_face_imports_no_torch_and_every_name_in_all_resolves() -> No
 
 def test_only_a_handful_of_modules_sit_at_the_top() -> None:
     top = sorted(p.stem for p in PACKAGE.glob("*.py"))
-    assert top == ["__init__", "__main__", "cli", "context", "errors", "jsontypes"], top
+    assert top == ["__init__", "__main__", "cli", "context", "errors", "hostinfo", "jsontypes"], top
+
+
+def _rooms(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The graph between lifecycle's rooms: each folder (``lifecycle.policy``) or top-level module
+    (``lifecycle.context``) as one node; the package's face (``lifecycle/__init__.py``) is left out."""
+    def room(module: str) -> str | None:
+        parts = module.split(".")
+        return ".".join(parts[:2]) if len(parts) > 1 else None
+
+    rooms: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        if (src := room(module)) is not None:
+            rooms.setdefault(src, set()).update(t for t in map(room, targets) if t is not None and t != src)
+    return rooms
+
+
+def test_the_folders_stand_on_floors_type_hints_included() -> None:
+    """No two folders import each other, directly or around a circle (type hints and lazy imports included): each
+    folder stands above what it uses. The floors, bottom up: errors, jsontypes, hostinfo; rundir; policy (the
+    schema, the kinds' registry and options); distributed; obs, handlers (the protocols); watchdog; context;
+    checkpoint (the folder's files); phases and backends; machine; launch, diagnose; cli."""
+    rooms = _rooms(_graph(type_checking=True))
+    assert _cycles(rooms) == [], f"folders that import each other: {_cycles(rooms)}"
+    below = {"lifecycle.rundir": set(), "lifecycle.policy": {"lifecycle.rundir"}}
+    for room, allowed in below.items():
+        extra = rooms[room] - allowed - {"lifecycle.errors", "lifecycle.jsontypes", "lifecycle.hostinfo"}
+        assert not extra, f"{room} imports {sorted(extra)}, above it"
 
 
 def test_only_the_command_line_reaches_into_launch() -> None:
@@ -222,6 +249,8 @@ def test_the_cycle_finder_finds_a_cycle() -> None:
     tree = ast.parse("if TYPE_CHECKING:\n    import lifecycle.x\nelse:\n    import lifecycle.y\n"
                      "def f():\n    from lifecycle import z\n")
     assert _imports(tree, "lifecycle.m", False) == {"lifecycle.y", "lifecycle", "lifecycle.z"}
+    assert _cycles(_rooms({"lifecycle.a.x": {"lifecycle.b.y"}, "lifecycle.b.z": {"lifecycle.a"},
+                           "lifecycle": {"lifecycle.a.x"}})) == [["lifecycle.a", "lifecycle.b"]]
 
 
 def test_megatron_is_imported_only_under_backends() -> None:

@@ -24,7 +24,7 @@ import torch
 from lifecycle.backends.megatron.cpu_compat import apply_cpu_compat
 from lifecycle.backends.megatron.state import ModelSpec, TrainState
 from lifecycle.errors import UsageError
-from lifecycle.handlers.options import MegatronGPTOptions
+from lifecycle.policy.options import MegatronGPTOptions
 
 logger = logging.getLogger(__name__)
 

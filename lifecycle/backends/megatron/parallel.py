@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from lifecycle.distributed.layout import DEFAULT_ORDER, build_layout, check_name
-from lifecycle.distributed.names import GROUP_NAMES
 from lifecycle.errors import PhaseError, UsageError
+from lifecycle.policy.groupnames import GROUP_NAMES
 
 if TYPE_CHECKING:
     from lifecycle.policy.sections import ParallelismConfig

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from lifecycle.handlers.options import MegatronGPTOptions
+from lifecycle.policy.options import MegatronGPTOptions
 from lifecycle.policy.sections import RunConfig
 
 DEFAULT_SEED = RunConfig().seed

@@ -159,7 +159,7 @@ def _no_hook(*_: Any) -> None:
 def record_collectives(ctx: StepContext) -> None:
     """Megatron DDP's bucket collectives become spans on their groups (a hang there names group and ranks)."""
     from lifecycle.backends.megatron import comm_events
-    from lifecycle.distributed.names import GROUP_NAMES
+    from lifecycle.policy.groupnames import GROUP_NAMES
 
     if not comm_events.install():
         log.info("this megatron-core has no DDP coalescing hook: gradient reductions are not traced")

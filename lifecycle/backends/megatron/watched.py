@@ -30,7 +30,7 @@ class WatchedMegatron(TorchDistCheckpoints):
 
     def __init__(self, chunks: list[Any], optimizer: Any) -> None:
         from lifecycle.backends.megatron.state import ModelSpec, TrainState
-        from lifecycle.handlers.options import MegatronGPTOptions
+        from lifecycle.policy.options import MegatronGPTOptions
 
         wrapped = [c if hasattr(c, "module") else _Chunk(c) for c in chunks]
         ddp_config = getattr(wrapped[0], "ddp_config", None)

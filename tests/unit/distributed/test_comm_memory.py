@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from lifecycle.distributed.comm_memory import MIB, Settings, communicator_bytes, estimate, rank_bill
 from lifecycle.distributed.layout import build_layout
-from lifecycle.distributed.names import GROUP_NAMES
+from lifecycle.policy.groupnames import GROUP_NAMES
 
 
 def test_a_two_rank_communicator_at_the_defaults_matches_the_published_order_of_magnitude() -> None:

@@ -14,9 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lifecycle.distributed.layout import MAX_WORLD_SIZE, Layout, RankSet, build_layout, chunk
-from lifecycle.distributed.names import GROUP_NAMES
 from lifecycle.distributed.ranks import fmt_ranks
 from lifecycle.errors import UsageError
+from lifecycle.policy.groupnames import GROUP_NAMES
 
 ROOT = Path(__file__).resolve().parents[3]
 

@@ -43,7 +43,7 @@ def test_the_plan_warms_the_job_sizes_only_when_asked() -> None:
 
 def test_used_groups_follow_the_kind_and_the_layout() -> None:
     from lifecycle.distributed.messages import requested_groups, used_groups
-    from lifecycle.distributed.names import GROUP_NAMES
+    from lifecycle.policy.groupnames import GROUP_NAMES
 
     def used(policy: dict[str, Any], world: int | None = None) -> list[str]:
         got = used_groups(validate(policy), world)

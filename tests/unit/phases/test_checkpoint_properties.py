@@ -31,12 +31,13 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from lifecycle import checkpoint
 from lifecycle.checkpoint import ckptdir
 from lifecycle.context import RunContext
 from lifecycle.distributed.faults import Drills
 from lifecycle.errors import CheckpointError
 from lifecycle.obs.events import EventLog
+from lifecycle.phases import checkpoint
+from lifecycle.phases.resume import resume
 from lifecycle.policy.load import validate
 from tests.unit.onerank import RecordingParallel
 
@@ -74,7 +75,7 @@ class CheckpointMachine(RuleBasedStateMachine):
         return ctx
 
     def _handler(self, ctx: RunContext) -> Any:
-        from lifecycle.handlers.synthetic import SyntheticStep
+        from lifecycle.backends.synthetic import SyntheticStep
 
         handler = SyntheticStep(ctx.policy.train.options)
         handler.setup(ctx)
@@ -151,7 +152,7 @@ class CheckpointMachine(RuleBasedStateMachine):
         self.ctx.step_handler = self._handler(self.ctx)
 
         def op() -> None:
-            checkpoint.resume(self.ctx)
+            resume(self.ctx)
 
         try:
             self._own(op, repairs=True)

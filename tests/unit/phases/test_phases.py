@@ -10,11 +10,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lifecycle import checkpoint, rundir
+from lifecycle import rundir
 from lifecycle.context import RunContext
 from lifecycle.errors import CheckpointError, PhaseError, PolicyError
 from lifecycle.obs.events import read_events
+from lifecycle.phases import checkpoint
 from lifecycle.phases.init import InitPhase
+from lifecycle.phases.resume import resume
 from lifecycle.phases.teardown import HardDeadline, TeardownPhase
 from lifecycle.phases.train import TrainPhase, agree_stop
 from lifecycle.phases.warmup import WarmupPhase
@@ -180,7 +182,7 @@ def test_checkpoint_commits_in_two_phases_and_resumes(make_ctx: MakeCtx, tmp_pat
     fresh = TrainPhase(checkpoint.save)
     ctx.progress.step, ctx.step_handler = 0, fresh._build(ctx)
     ctx.step_handler.setup(ctx)
-    checkpoint.resume(ctx)
+    resume(ctx)
     assert ctx.step == 2 and ctx.progress.resumed_from == 2
 
 
@@ -233,13 +235,13 @@ def test_a_checkpoint_of_another_layout_is_resharded_or_refused_never_set_aside(
         (3, 2, 1, "synthetic")
     _bound(folder, world_size=2, dp=2)  # written by two ranks: the synthetic kind's replicas load at any world
     _fresh(ctx)
-    checkpoint.resume(ctx)
+    resume(ctx)
     assert ctx.step == 2 and "resuming iter_0000002 resharded: world_size 2 -> 1, dp 2 -> 1" in capsys.readouterr().out
     _bound(folder, kind="own_loop")  # a trainer's own model's state: not this kind's
     _fresh(ctx)
     with pytest.raises(CheckpointError, match=r"it holds the state of train.kind own_loop, not synthetic\. A change "
                                               r"of layout or model is not damage: nothing was set aside"):
-        checkpoint.resume(ctx)
+        resume(ctx)
     assert ctx.step == 0 and folder.is_dir() and (root / "latest").read_text().strip() == folder.name
 
 
@@ -252,7 +254,7 @@ def test_a_load_rejected_after_it_ran_leaves_every_rank_on_the_fresh_state(make_
     shutil.rmtree(root / "iter_0000002")
     _fresh(ctx)
     initial = {k: v.clone() for k, v in ctx.step_handler.model.state_dict().items()}  # type: ignore[union-attr]
-    checkpoint.resume(ctx)  # step 3 loads step 2's weights, is rejected, and nothing older is left
+    resume(ctx)  # step 3 loads step 2's weights, is rejected, and nothing older is left
     assert ctx.step == 0 and ctx.progress.resumed_from is None
     now = ctx.step_handler.model.state_dict()  # type: ignore[union-attr]
     assert all(torch.equal(now[k], initial[k]) for k in initial)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from lifecycle.errors import PolicyError
-from lifecycle.handlers.options import MegatronGPTOptions, SyntheticOptions
 from lifecycle.policy import modelsize
 from lifecycle.policy.load import load
+from lifecycle.policy.options import MegatronGPTOptions, SyntheticOptions
 from lifecycle.policy.sections import ParallelismConfig
 
 SYNTHETIC = ["train.kind=synthetic", "~train.options", "moe.zero_token.action=off", "parallelism.ep=1"]

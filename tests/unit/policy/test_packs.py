@@ -148,7 +148,7 @@ def test_catalog_and_descriptions(tmp_path: Path) -> None:
 def handler_pack(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., str]]:
     """Install a distribution whose ``lifecycle.handlers`` entry point is ``<module>:SPECS``; the registry loads the
     entry points again for this test only. Returns the module (= entry point) name."""
-    from lifecycle.handlers import registry
+    from lifecycle.policy import registry
 
     site = tmp_path / "handler_site"
     site.mkdir()
@@ -207,7 +207,7 @@ def test_what_a_pack_prints_at_import_stays_off_stdout(make_pack: MakePack,
 def test_a_handler_entry_point_whose_import_hangs_is_left_out(handler_pack: Callable[..., str],
                                                               monkeypatch: pytest.MonkeyPatch,
                                                               caplog: pytest.LogCaptureFixture) -> None:
-    from lifecycle.handlers import registry
+    from lifecycle.policy import registry
 
     monkeypatch.setenv("LIFECYCLE_IMPORT_TIMEOUT_S", "0.3")
     name = handler_pack(HANG)
@@ -232,7 +232,7 @@ def test_a_kind_whose_factory_cannot_build_a_handler_is_refused_before_any_rank_
     from lifecycle.launch.runner import run
 
     module = handler_pack("from lifecycle.handlers import HandlerSpec\n"
-                          "from lifecycle.handlers.options import SyntheticOptions\n"
+                          "from lifecycle.policy.options import SyntheticOptions\n"
                           f"SPECS = [HandlerSpec('bad_kind', 'train', SyntheticOptions, {factory!r}.format("
                           "module=__name__), groups='torch')]\n", {"step.py": STEP})
     path = Path(importlib.util.find_spec(module).submodule_search_locations[0]) / "step.py"  # type: ignore[union-attr]

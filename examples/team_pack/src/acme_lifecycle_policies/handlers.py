@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pydantic import Field, PositiveFloat, PositiveInt
 
-from lifecycle.handlers.registry import HandlerSpec
+from lifecycle.handlers import HandlerSpec
 from lifecycle.policy.base import Section
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from lifecycle.backends.synthetic import SyntheticStep
 from lifecycle.context import RunContext
-from lifecycle.handlers.options import SyntheticOptions
-from lifecycle.handlers.synthetic import SyntheticStep
+from lifecycle.handlers import SyntheticOptions
 
 
 class AcmeWarmupStep(SyntheticStep):

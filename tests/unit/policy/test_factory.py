@@ -1,4 +1,4 @@
-"""A kind's factory checked without running its module (lifecycle.handlers.factory); the built-ins are not checked."""
+"""A kind's factory checked without running its module (lifecycle.policy.factory); the built-ins are not checked."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from lifecycle.handlers import registry
-from lifecycle.handlers.factory import factory_problem
+from lifecycle.policy import registry
+from lifecycle.policy.factory import factory_problem
 
 SOURCE = '''raise RuntimeError("a factory check must not run this module")
 import os.path as joined
@@ -64,7 +64,7 @@ def test_an_imported_or_built_in_module_is_checked_on_the_object() -> None:
     assert factory_problem("builtins:len") is None
     assert factory_problem("math:pi") == "math.pi is a float, not a class or function"
     assert factory_problem("builtins:nope") == "module 'builtins' has no attribute 'nope'"
-    assert factory_problem("lifecycle.handlers.synthetic:SyntheticStep") is None
+    assert factory_problem("lifecycle.backends.synthetic:SyntheticStep") is None
 
 
 def test_the_built_in_kinds_are_not_checked() -> None:

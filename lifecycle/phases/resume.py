@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lifecycle.checkpoint import binding, ckptdir
-from lifecycle.checkpoint.commit import step_handler
 from lifecycle.errors import CheckpointError, Shutdown
+from lifecycle.phases.checkpoint import step_handler
 
 if TYPE_CHECKING:
     from lifecycle.context import RunContext

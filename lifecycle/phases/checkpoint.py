@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from lifecycle import rundir
+import lifecycle.rundir as rundir
 from lifecycle.checkpoint import binding, ckptdir
-from lifecycle.checkpoint.pending import PendingSave
+from lifecycle.context import PendingSave
 from lifecycle.errors import CheckpointError, PhaseError
 from lifecycle.phases.base import Action, GroupView, barrier_actions, deadline_text, sequence_check
 from lifecycle.phases.points import run_points

@@ -19,8 +19,8 @@ from typing import Any
 from pydantic import BaseModel
 
 from lifecycle.errors import PolicyError
-from lifecycle.handlers.options import MegatronGPTOptions, SyntheticOptions
 from lifecycle.policy import imports
+from lifecycle.policy.options import MegatronGPTOptions, SyntheticOptions
 
 log = logging.getLogger(__name__)
 ENTRY_POINT_GROUP = "lifecycle.handlers"
@@ -58,7 +58,7 @@ _BUILTINS = [
                 "lifecycle.backends.megatron.step:MegatronGPTStep",
                 "a megatron-core GPTModel (MoE optional) with Megatron DDP and optimizer"),
     HandlerSpec("synthetic", "train", SyntheticOptions,
-                "lifecycle.handlers.synthetic:SyntheticStep",
+                "lifecycle.backends.synthetic:SyntheticStep",
                 "a tiny torch model with a data-parallel all-reduce per step (no megatron)", groups="torch"),
 ]
 _registry: dict[tuple[str, str], HandlerSpec] = {}
@@ -116,11 +116,11 @@ def _specs_of(ep: EntryPoint) -> object:
 
 
 def factory_issue(spec: HandlerSpec) -> str | None:
-    """Why ``spec``'s factory cannot build a step handler (:mod:`lifecycle.handlers.factory`), found without running
+    """Why ``spec``'s factory cannot build a step handler (:mod:`lifecycle.policy.factory`), found without running
     the factory's module; None when it can, and for the built-in kinds."""
     if spec in _BUILTINS:
         return None
-    from lifecycle.handlers.factory import factory_problem
+    from lifecycle.policy.factory import factory_problem
 
     problem = factory_problem(spec.factory)
     if problem is None:

@@ -181,7 +181,7 @@ def _attempt(policy: Policy, nproc: int, run_dir: Path, overrides: Sequence[str]
     print(summary.render(info), flush=True)
     from lifecycle.obs.timeline import end_of_job
 
-    end_of_job(run_dir)
+    end_of_job(run_dir, policy.run.timeline)
     return int(result.exit_code), info, result.stopped_by is not None, attempt
 
 

@@ -609,6 +609,6 @@ def _write_summary(ctx: RunContext, *, failed: bool = False) -> None:
         if failed:
             print(f"trace    not drawn after a failure: `lifecycle timeline {ctx.run_dir}` draws it", flush=True)
         else:
-            end_of_job(ctx.run_dir)
+            end_of_job(ctx.run_dir, ctx.policy.run.timeline)
     except Exception as exc:  # noqa: BLE001 - a report must not fail a finished run
         log.warning("summary not written: %s", exc)

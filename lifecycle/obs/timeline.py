@@ -398,9 +398,13 @@ END_OF_JOB_TIMELINE_BYTES = 32 << 20
 not delay the exit code by more than a few seconds. ``lifecycle timeline RUN_DIR`` draws them on demand."""
 
 
-def end_of_job(run_dir: Path) -> None:
-    """The merged trace (and the PNG when matplotlib is installed); never changes the run's exit code."""
+def end_of_job(run_dir: Path, what: str = "png") -> None:
+    """The merged trace and, with ``what="png"`` (``run.timeline``), the PNG when matplotlib is installed; nothing
+    with ``off``. Never changes the run's exit code."""
     import logging
+
+    if what == "off":
+        return
 
     try:
         size = sum(p.stat().st_size for p in (run_dir / "events").glob("rank_*.jsonl") if p.is_file())
@@ -411,6 +415,6 @@ def end_of_job(run_dir: Path) -> None:
               f"timeline {run_dir}`", flush=True)
         return
     try:
-        main(run_dir)
+        main(run_dir, no_png=what != "png")
     except Exception as exc:  # noqa: BLE001 - a picture must not fail a finished run
         logging.getLogger(__name__).warning("timeline not written: %s", exc)

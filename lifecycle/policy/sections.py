@@ -65,6 +65,10 @@ class RunConfig(Section):
     adopt_existing: Flag = False
     """Let a run use a non-empty ``run.dir`` that lifecycle did not make (by default refused: its ``events/`` or
     ``summary.json`` would be moved or overwritten)."""
+    timeline: Literal["png", "trace", "off"] = "png"
+    """What the end of a job leaves beside the summary: ``png`` the merged ``trace.json`` and the ``timeline.png``
+    Gantt (when matplotlib is installed; about half a second before the exit code), ``trace`` the trace alone,
+    ``off`` neither. ``lifecycle timeline RUN_DIR`` draws them at any time."""
 
     @field_validator("name")
     @classmethod

@@ -56,7 +56,7 @@ def test_timeline_of_a_real_run(tmp_path: Path) -> None:
 @pytest.mark.distributed
 @pytest.mark.timeout(120)
 def test_crashed_rank_gets_cut_spans_and_the_run_a_summary(tmp_path: Path) -> None:
-    run = lifecycle_run(tmp_path, 2, *SYNTHETIC, *FAST, "train.steps=6",
+    run = lifecycle_run(tmp_path, 2, *SYNTHETIC, *FAST, "train.steps=6", "run.timeline=png",
                         "+faults=[{at: train, ranks: [1], action: crash, step: 3}]")
     assert run.code != 0, run.output  # the crash drill leaves through os._exit, no teardown
     s = run.summary()

@@ -15,7 +15,10 @@ from tests.helpers import ROOT
 
 # Small deadlines so failure drills finish in seconds; teardown.deadline_s must stay >= the teardown deadline.
 FAST = ["watchdog.deadlines.init=60", "watchdog.deadlines.warmup=20", "watchdog.deadlines.step=20",
-        "watchdog.deadlines.checkpoint=30", "watchdog.deadlines.teardown=10", "teardown.deadline_s=15"]
+        "watchdog.deadlines.checkpoint=30", "watchdog.deadlines.teardown=10", "teardown.deadline_s=15",
+        "run.timeline=trace"]
+"""Generous deadlines for a loaded 2-core machine, and the end-of-job trace without its picture (the Gantt takes
+about half a second of every launch; the default job's test and the timeline tests draw it)."""
 SYNTHETIC = ["train.kind=synthetic", "~train.options", "moe.zero_token.action=off", "parallelism.ep=1"]
 
 

@@ -147,6 +147,16 @@ def test_main_writes_the_trace_gzip_and_png(tmp_path: Path, capsys: pytest.Captu
     assert (tmp_path / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.parametrize("what, files", [("png", {"trace.json", "timeline.png"}), ("trace", {"trace.json"}),
+                                         ("off", set())])
+def test_the_end_of_a_job_leaves_what_run_timeline_says(tmp_path: Path, what: str, files: set[str]) -> None:
+    if what == "png":
+        pytest.importorskip("matplotlib")
+    _real_run(tmp_path)
+    timeline.end_of_job(tmp_path, what)
+    assert {p.name for p in tmp_path.iterdir() if p.is_file()} == files
+
+
 def test_without_matplotlib_the_trace_is_still_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                        capsys: pytest.CaptureFixture[str]) -> None:
     _real_run(tmp_path)

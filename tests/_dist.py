@@ -41,6 +41,16 @@ def init_gloo(rank: int, world_size: int, timeout_s: float = 30.0) -> None:
     )
 
 
+def shared_store(prefix: str) -> Any:
+    """A store every rank of ``run_ranks`` shares, under ``prefix``: the default group's own TCPStore, whose port was
+    bound when the group came up. (A port picked before the ranks start and bound only after megatron's groups were
+    made can be taken by then: each gloo group opens connections on ephemeral ports.)"""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    return dist.PrefixStore(prefix, c10d._get_default_store())
+
+
 PRELOAD = ["torch", "torch.distributed", "megatron.core", "megatron.core.parallel_state",
            "megatron.core.models.gpt", "tests._dist"]
 """What the forkserver imports once (each forked rank then has it)."""

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests._dist import free_port, init_gloo, run_ranks
+from tests._dist import init_gloo, run_ranks, shared_store
 from tests.distributed.test_megatron_train_ckpt import _clone, _diff
 
 pytest.importorskip("torch")
@@ -53,12 +53,11 @@ def _train(state: Any, steps: int) -> list[float]:
     return [m.train_step(state, m.step_batches(state.spec, state.step, dp_rank)) for _ in range(steps)]
 
 
-def _pipeline_rank(rank: int, world: int, root: str, store_port: int) -> dict[str, Any]:
+def _pipeline_rank(rank: int, world: int, root: str) -> dict[str, Any]:
     import warnings
 
     warnings.simplefilter("ignore")  # megatron warns about apex/TE on every rank
     init_gloo(rank, world)
-    import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     from lifecycle.backends.megatron import checkpoint as ck
@@ -67,7 +66,7 @@ def _pipeline_rank(rank: int, world: int, root: str, store_port: int) -> dict[st
     from lifecycle.policy.options import MegatronGPTOptions
 
     parallel.initialize(tp=2, pp=2, ep=2, vpp=2, timeout_s=60)
-    store = dist.TCPStore("127.0.0.1", store_port, world, is_master=rank == 0)
+    store = shared_store("pipeline/")
     spec = m.ModelSpec(MegatronGPTOptions(**OPTIONS))
     state = m.build(spec)
     out: dict[str, Any] = {"chunks": [(g.pre_process, g.post_process) for g in state.gpts],
@@ -92,7 +91,7 @@ def _pipeline_rank(rank: int, world: int, root: str, store_port: int) -> dict[st
 
 @pytest.mark.timeout(150)
 def test_interleaved_pipeline_with_distributed_optimizer_trains_saves_and_resumes_exactly(tmp_path: Any) -> None:
-    results = run_ranks(_pipeline_rank, WORLD, 140, str(tmp_path), free_port())
+    results = run_ranks(_pipeline_rank, WORLD, 140, str(tmp_path))
     losses = results[0]["losses"]
     assert all(r["losses"] == losses for r in results), "the loss is computed on the last stage, reported everywhere"
     assert losses[-1] < losses[0] - 0.5, losses

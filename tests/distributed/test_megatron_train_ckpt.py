@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests._dist import free_port, init_gloo, run_ranks
+from tests._dist import init_gloo, run_ranks, shared_store
 
 pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
@@ -153,7 +153,7 @@ def test_loss_falls_and_every_parameter_steps(etp: int) -> None:
 # ------------------------------------------------------------------------------ checkpoint + resume
 
 
-def _save_resume_rank(rank: int, world: int, root: str, store_port: int) -> dict[str, Any]:
+def _save_resume_rank(rank: int, world: int, root: str) -> dict[str, Any]:
     init_gloo(rank, world)
     _setup()
     import torch.distributed as dist
@@ -161,7 +161,7 @@ def _save_resume_rank(rank: int, world: int, root: str, store_port: int) -> dict
     from lifecycle.backends.megatron import checkpoint as ck
     from lifecycle.backends.megatron import model as m
 
-    store = dist.TCPStore("127.0.0.1", store_port, world, is_master=rank == 0)
+    store = shared_store("ckpt/")
     ckpt_group = dist.new_group(backend="gloo")
     spec = m.ModelSpec()
     state = m.build(spec)
@@ -203,7 +203,7 @@ def _save_resume_rank(rank: int, world: int, root: str, store_port: int) -> dict
 
 @pytest.mark.timeout(120)
 def test_save_load_resume_is_exact(tmp_path: Any) -> None:
-    results = run_ranks(_save_resume_rank, WORLD, DEADLINE_S, str(tmp_path), free_port())
+    results = run_ranks(_save_resume_rank, WORLD, DEADLINE_S, str(tmp_path))
     for r in results:
         assert r["different_before"], "the fresh model must start from other (step-0) weights"
         assert r["steps"] == (10, 10)
@@ -218,7 +218,7 @@ def test_save_load_resume_is_exact(tmp_path: Any) -> None:
 # ------------------------------------------------------------- no default-group collective after writes
 
 
-def _finalize_off_default_group_rank(rank: int, world: int, root: str, store_port: int) -> dict[str, Any]:
+def _finalize_off_default_group_rank(rank: int, world: int, root: str) -> dict[str, Any]:
     init_gloo(rank, world)
     _setup()
     import torch.distributed as dist
@@ -227,7 +227,7 @@ def _finalize_off_default_group_rank(rank: int, world: int, root: str, store_por
     from lifecycle.backends.megatron import model as m
     from lifecycle.errors import HangError
 
-    store = dist.TCPStore("127.0.0.1", store_port, world, is_master=rank == 0)
+    store = shared_store("ckpt/")
     state = m.build(m.ModelSpec())
     _train(state, 1)
     out: dict[str, Any] = {}
@@ -256,7 +256,7 @@ def _finalize_off_default_group_rank(rank: int, world: int, root: str, store_por
 
 @pytest.mark.timeout(120)
 def test_finalize_issues_no_default_group_collective(tmp_path: Any) -> None:
-    results = run_ranks(_finalize_off_default_group_rank, WORLD, DEADLINE_S, str(tmp_path), free_port())
+    results = run_ranks(_finalize_off_default_group_rank, WORLD, DEADLINE_S, str(tmp_path))
     assert results[1]["late_s"] < 1.5 and results[2]["late_s"] < 1.5, results
     assert results[0]["late_s"] > 2.0, results
     assert results[0]["late_complete"]

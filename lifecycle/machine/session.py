@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import lifecycle.rundir as rundir
 from lifecycle.distributed.ranks import fmt_ranks
+from lifecycle.machine.blocked_stop import WATCHER
 from lifecycle.machine.preflight import rank_env
 from lifecycle.rundir import RESOLVED, has_marker
 
@@ -63,7 +64,10 @@ def install_signals(ctx: RunContext, orchestrator: Orchestrator, *, own_loop: bo
             if orchestrator.current == "teardown":
                 log.info("%s during teardown: ignored", name)
                 return
-            if ctx.progress.stop.preempt_signal is None:
+            if ctx.progress.stop.preempt_signal is None and orchestrator.current in (None, "init", "warmup"):
+                log.warning("%s received before training: the ranks stop at the first step boundary (nothing to save "
+                            "yet)", name)
+            elif ctx.progress.stop.preempt_signal is None:
                 log.warning("%s received: will save and stop at the next step boundary", name)
             ctx.progress.stop.preempt_signal = name
         finally:
@@ -87,6 +91,8 @@ def install_signals(ctx: RunContext, orchestrator: Orchestrator, *, own_loop: bo
         saved[sig] = before
         if own_loop and callable(before) and before is not signal.default_int_handler:
             chained[sig] = before  # the trainer's: SIG_DFL/SIG_IGN and Python's KeyboardInterrupt are not chained
+    if not own_loop:  # a rank stuck before training never reaches the flag's step (lifecycle.machine.blocked_stop)
+        WATCHER.watch(ctx, orchestrator, set(saved))
     return restore
 
 

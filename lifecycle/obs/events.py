@@ -40,6 +40,8 @@ class EventLog:
         self.rank, self.local_rank, self.host = rank, local_rank, socket.gethostname()
         self.phase = "init"
         self.step: int | None = None
+        self.last_t = now_us()
+        """When the last event was emitted (µs, like ``t``): read by other threads to tell a quiet rank."""
         self._buf: list[str] = []
         self._lock = threading.Lock()
         self._flush_every = flush_every
@@ -62,6 +64,7 @@ class EventLog:
         if self.step is not None and "step" not in fields:
             event["step"] = self.step
         event.update({k: v for k, v in fields.items() if v is not None})
+        self.last_t = event["t"]
         for listener in self.listeners:
             listener(event)
         line = _ENCODE(event)

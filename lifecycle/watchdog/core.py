@@ -441,7 +441,7 @@ class Watchdog:
         return extra
 
 
-def abort_and_exit(ctx: WatchedRun, code: int) -> None:
+def abort_and_exit(ctx: WatchedRun, code: int, *, by: str = "watchdog") -> None:
     """Abort every process group (bounded: a helper thread, 2 s), close the event log and leave."""
     def abort() -> None:
         try:
@@ -455,7 +455,7 @@ def abort_and_exit(ctx: WatchedRun, code: int) -> None:
     helper = threading.Thread(target=abort, name="lifecycle-abort", daemon=True)
     helper.start()
     helper.join(2.0)
-    ctx.events.instant("exit", exit_code=code, step=ctx.step, by="watchdog")
+    ctx.events.instant("exit", exit_code=code, step=ctx.step, by=by)
     ctx.events.close()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 QUIET_S = 5.0
 """How long a rank before training may stay without an event after a stop signal before it leaves."""
 BEFORE_TRAINING = (None, "init", "warmup")
+"""The orchestrator's phases in which a stop has nothing to save (None: the run has not begun)."""
 
 
 class BlockedStop:
@@ -74,7 +75,8 @@ class BlockedStop:
     def _run(self, read: socket.socket) -> None:
         pending: tuple[int, int] | None = None  # (when it was read, µs; the signal)
         while True:
-            ready, _, _ = select.select([read], [], [], 0.25)
+            # Asleep until a signal comes; then a look every 0.25 s while it waits for its rank to move on.
+            ready, _, _ = select.select([read], [], [], None if pending is None else 0.25)
             if ready:
                 with contextlib.suppress(BlockingIOError, InterruptedError):
                     for signum in read.recv(512):

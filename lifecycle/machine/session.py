@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import lifecycle.rundir as rundir
 from lifecycle.distributed.ranks import fmt_ranks
-from lifecycle.machine.blocked_stop import WATCHER
+from lifecycle.machine.blocked_stop import BEFORE_TRAINING, WATCHER
 from lifecycle.machine.preflight import rank_env
 from lifecycle.rundir import RESOLVED, has_marker
 
@@ -64,7 +64,7 @@ def install_signals(ctx: RunContext, orchestrator: Orchestrator, *, own_loop: bo
             if orchestrator.current == "teardown":
                 log.info("%s during teardown: ignored", name)
                 return
-            if ctx.progress.stop.preempt_signal is None and orchestrator.current in (None, "init", "warmup"):
+            if ctx.progress.stop.preempt_signal is None and orchestrator.current in BEFORE_TRAINING:
                 log.warning("%s received before training: the ranks stop at the first step boundary (nothing to save "
                             "yet)", name)
             elif ctx.progress.stop.preempt_signal is None:

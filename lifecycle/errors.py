@@ -35,8 +35,8 @@ class ExitRule:
 
 
 EXIT_RULES = (
-    ExitRule("0", "success; also a graceful stop after a preemption signal (the save committed)", "done",
-             "nothing to do; a preempted run resumes when started again"),
+    ExitRule("0", "success; also a graceful stop after a preemption signal (the save committed, or nothing to save "
+             "before training)", "done", "nothing to do; a preempted run resumes when started again"),
     ExitRule("2", "bad policy, override, command line, environment, checkpoint or run-directory input (every error "
              "named: `key.path: message (got VALUE)`, the file, the port)", "stop", "fix the input; a restart repeats it"),
     ExitRule("3", "a hang detected by the watchdog, a collective sequence that diverged or a peer that stopped "

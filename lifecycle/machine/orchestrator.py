@@ -93,6 +93,7 @@ class Orchestrator:
             self.handlers["train"].run(self.ctx)
             return self._teardown()
         except BaseException as exc:  # noqa: BLE001 - every failure takes the failure edge
+            self.error = exc  # first: from here a launcher's SIGTERM does not raise (it did in _explained: exit 1)
             exc = self._explained(exc)
             if self.ctx.policy.restart.mode == "in_process" and self.ctx.policy.restart.max_restarts:
                 restart = self._restart_in_place(exc)

@@ -126,3 +126,30 @@ def test_the_launchers_sigterm_inside_a_torch_save_is_a_shutdown_not_a_failure_o
     assert code == orchestrator.exit_code(orchestrator.error)
     failure = [e for e in read_events(ctx.run_dir)[0] if e["name"] == "failure"][0]
     assert failure["error"] == "Shutdown", failure
+
+
+def test_the_launchers_sigterm_as_the_failure_path_begins_does_not_escape_it(
+        make_ctx: MakeCtx, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peer's failure breaks this rank's collective; the launcher's SIGTERM (its marker written) lands while the
+    error is being explained, before ``fail`` runs: the handler must not raise then (the rank would exit 1 with a
+    traceback and no exit event, seen in the fault matrix's warmup-crash cell)."""
+    from lifecycle.machine.session import install_signals
+    from lifecycle.rundir import write_marker
+
+    ctx = make_ctx({"faults": [{"at": "warmup", "ranks": [0], "action": "raise"}]})
+    orchestrator = Orchestrator(ctx)
+    storage = orchestrator._storage
+
+    def signalled(exc: BaseException) -> BaseException:
+        write_marker(ctx.run_dir, "rank 1 failed", rank=1)
+        os.kill(os.getpid(), signal.SIGTERM)  # its handler runs before kill() returns
+        return storage(exc)
+
+    monkeypatch.setattr(orchestrator, "_storage", signalled)
+    restore = install_signals(ctx, orchestrator)
+    try:
+        code = orchestrator.run()
+    finally:
+        restore()
+    assert code == 4 and type(orchestrator.error).__name__ == "DrillError"
+    assert _exit(ctx)["exit_code"] == 4

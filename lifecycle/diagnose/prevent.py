@@ -11,7 +11,8 @@ from __future__ import annotations
 from lifecycle.jsontypes import JsonDict
 
 MEGATRON = (  # most specific first
-    ("EXPERT_TENSOR_AND_MODEL", "tp_ep"), ("EXPERT_TENSOR_MODEL_PIPELINE", "tp_ep_pp"),
+    ("EXPERT_TENSOR_AND_MODEL", "tp_ep"), ("PIPELINE_PARALLEL_GROUP_WITH_EGTP", "tp_ep_pp_egtp"),
+    ("EXPERT_TENSOR_MODEL_PIPELINE", "tp_ep_pp"),
     ("INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP", "intra_dp_cp"), ("EXPERT_DATA_PARALLEL", "edp"),
     ("EXPERT_TENSOR_PARALLEL", "etp"), ("EXPERT_MODEL_PARALLEL", "ep"),
     ("TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP", "tp_dp_cp"), ("TENSOR_AND_DATA_PARALLEL", "tp_dp"),
@@ -22,7 +23,7 @@ MEGATRON = (  # most specific first
 )
 PLAIN = {"tp", "pp", "dp", "cp", "ep", "etp", "edp", "world", "mp", "dp_cp", "expert", "tensor", "pipeline", "data"}
 PLAIN_ALIAS = {"expert": "ep", "tensor": "tp", "pipeline": "pp", "data": "dp"}
-EXPERT = {"ep", "edp", "etp", "tp_ep", "tp_ep_pp"}
+EXPERT = {"ep", "edp", "etp", "tp_ep", "tp_ep_pp", "tp_ep_pp_egtp"}
 
 
 def dimension(desc: str | None, ranks: list[int] | None, layout: dict[str, list[list[int]]] | None) -> str | None:

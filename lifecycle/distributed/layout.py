@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from lifecycle.errors import UsageError
+from lifecycle.policy import installed
 from lifecycle.policy.groupnames import GROUP_NAMES, closest
 
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"
@@ -33,7 +34,8 @@ _DECODER = {
     "dp": "dp", "dp_gloo": "dp", "dp_cp": "dp-cp", "dp_cp_gloo": "dp-cp", "tp": "tp", "pp": "pp",
     "cp": "cp", "mp": "tp-pp", "tp_cp": "tp-cp", "tp_dp": "tp-dp", "tp_dp_cp": "tp-dp-cp",
 }
-_EXPERT = {"ep": "ep", "etp": "tp", "edp": "dp", "edp_gloo": "dp", "tp_ep": "tp-ep", "tp_ep_pp": "tp-ep-pp"}
+_EXPERT = {"ep": "ep", "etp": "tp", "edp": "dp", "edp_gloo": "dp", "tp_ep": "tp-ep", "tp_ep_pp": "tp-ep-pp",
+           "tp_ep_pp_egtp": "tp-ep-pp"}  # the ranks of tp-ep-pp while lifecycle leaves expert GTP at 1
 
 
 @dataclass(frozen=True)
@@ -177,9 +179,11 @@ class Layout:
     """
 
     def __init__(self, world_size: int, tp: int, pp: int, cp: int, ep: int, etp: int,
-                 dist_opt_instances: int, order: str) -> None:
+                 dist_opt_instances: int, order: str, gtp: bool | None = None) -> None:
         self.world_size, self.tp, self.pp, self.cp, self.ep, self.etp = world_size, tp, pp, cp, ep, etp
         self.dist_opt_instances, self.order = dist_opt_instances, order
+        self.gtp = installed.gtp_groups() if gtp is None else gtp
+        """Whether megatron-core makes the generalized-tensor-parallel groups (0.19+; by default: the installed one)."""
         self.dp = world_size // (tp * pp * cp)
         self.edp = world_size // (etp * ep * pp)
         self.intra_edp = self.edp // dist_opt_instances
@@ -189,7 +193,7 @@ class Layout:
     def __repr__(self) -> str:
         return (f"Layout(world_size={self.world_size}, tp={self.tp}, pp={self.pp}, cp={self.cp}, "
                 f"ep={self.ep}, etp={self.etp}, dp={self.dp}, edp={self.edp}, "
-                f"dist_opt_instances={self.dist_opt_instances}, order={self.order!r})")
+                f"dist_opt_instances={self.dist_opt_instances}, order={self.order!r}, gtp={self.gtp})")
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -200,6 +204,8 @@ class Layout:
     def exists(self, name: str) -> bool:
         """Whether Megatron creates groups of this kind at all in this layout."""
         check_name(name)
+        if name == "tp_ep_pp_egtp":
+            return self.gtp
         return name not in ("inter_dist_opt",) or self.dist_opt_instances > 1
 
     def groups(self, name: str) -> list[list[int]]:
@@ -257,20 +263,23 @@ class Layout:
         return self._exp.rankset(rank - (c - chunk * size) * stride, "tp-cp-ep-pp", ((stride, size),))
 
     def communicators_of(self, rank: int) -> int:
-        """How many process groups this rank is a member of after megatron-core 0.16.1's
-        ``initialize_model_parallel`` (its defaults: gloo twins on, no all-gather, hierarchical-cp or SHARP
-        groups), the default group included: one per group object, so two kinds count once only where
-        Megatron hands out the same object (intra_edp is edp with one distributed-optimizer instance), and
-        a gloo twin counts apart from its NCCL group. O(1).
+        """How many process groups this rank is a member of after megatron-core's ``initialize_model_parallel``
+        (its defaults: gloo twins on, no all-gather, hierarchical-cp or SHARP groups), the default group included:
+        one per group object, so two kinds count once only where Megatron hands out the same object (intra_edp is
+        edp with one distributed-optimizer instance), and a gloo twin counts apart from its NCCL group. O(1).
 
-        Per rank Megatron creates: dp_cp, dp, edp with their gloo twins; cp, mp, tp, pp, tp_dp_cp, tp_dp,
+        Per rank Megatron (0.16) creates: dp_cp, dp, edp with their gloo twins; cp, mp, tp, pp, tp_dp_cp, tp_dp,
         tp_cp, ep, etp, tp_ep, tp_ep_pp, intra_dist_opt; the embedding group (first and last stage) and
         the position-embedding group (first stage) of its pipeline; with instances > 1 also the
-        intra-instance dp_cp group, intra_edp and inter_dist_opt, each with a gloo twin.
+        intra-instance dp_cp group, intra_edp and inter_dist_opt, each with a gloo twin. 0.19 adds three
+        (:attr:`gtp`): the dense and the expert generalized-tensor-parallel groups (one rank each while their size
+        is 1) and tp_ep_pp_egtp.
         """
         if not 0 <= rank < self.world_size:
             raise UsageError(f"rank {rank} is outside world size {self.world_size}")
         count = 1 + 2 * 3 + 12  # world; dp_cp, dp, edp and their twins; the twelve single groups above
+        if self.gtp:
+            count += 3
         if self.dist_opt_instances > 1:
             count += 3 * 2
         return count + sum(self.group_of(name, rank) is not None for name in ("embd", "pos_embd"))
@@ -394,10 +403,11 @@ def check_name(name: str) -> None:
 
 def build_layout(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
                  etp: int | None = None, dist_opt_instances: int = 1,
-                 order: str = DEFAULT_ORDER) -> Layout:
+                 order: str = DEFAULT_ORDER, *, gtp: bool | None = None) -> Layout:
     """Check the sizes as Megatron's ``initialize_model_parallel`` does and return the layout.
 
-    Raises UsageError naming the sizes and the broken rule when Megatron would refuse them.
+    Raises UsageError naming the sizes and the broken rule when Megatron would refuse them. ``gtp``: whether the
+    layout has megatron-core 0.19's generalized-tensor-parallel groups (None: as the installed megatron-core does).
     """
     etp = tp if etp is None else etp
     given = {"world size": world_size, "tp": tp, "pp": pp, "cp": cp, "ep": ep, "etp": etp,
@@ -415,7 +425,7 @@ def build_layout(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int
     _divisible(edp, dist_opt_instances, "expert dp (world/(etp*ep*pp))", "dist_opt_instances")
     _check_order(order, {"tp": tp, "pp": pp, "dp": dp, "ep": 1, "cp": cp}, "dense")
     _check_order(order, {"tp": etp, "pp": pp, "dp": edp, "ep": ep, "cp": 1}, "expert")
-    layout = Layout(world_size, tp, pp, cp, ep, etp, dist_opt_instances, order)
+    layout = Layout(world_size, tp, pp, cp, ep, etp, dist_opt_instances, order, gtp)
     if pp > 1 and not order.endswith("pp"):
         _check_pp_agrees(layout)
     return layout

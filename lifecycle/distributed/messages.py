@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from lifecycle.policy import installed
 from lifecycle.policy.groupnames import GROUP_NAMES
 
 if TYPE_CHECKING:
@@ -86,7 +87,7 @@ def used_groups(policy: Policy, world_size: int | None = None, *, own_loop: bool
     on ``mp`` — with the distributed optimizer the instance's ``intra_dp_cp`` and ``intra_dist_opt`` (and
     ``inter_dist_opt`` between instances) —, ``pp`` between stages, ``tp_cp``/``cp`` when larger than one, and the
     experts' ``ep`` all-to-all, ``tp_ep`` permutation gather, ``etp``, their gradients on ``edp`` (``intra_edp``
-    with the distributed optimizer) and norm on ``tp_ep_pp``. ``world_size`` (when known) drops an expert-dp group
+    with the distributed optimizer) and norm on ``tp_ep_pp`` (``tp_ep_pp_egtp`` from megatron-core 0.19). ``world_size`` (when known) drops an expert-dp group
     of one rank, which megatron never reduces over."""
     kind, o = policy.train.kind, policy.train.options
     if own_loop:
@@ -117,8 +118,8 @@ def used_groups(policy: Policy, world_size: int | None = None, *, own_loop: bool
         edp = world_size // (par.expert_tp * par.ep * par.pp) if world_size else None
         if edp is None or edp > 1:
             used.add("intra_edp" if dist_opt else "edp")
-        if par.ep > 1 and not dist_opt:
-            used.add("tp_ep_pp")
+        if par.ep > 1 and not dist_opt:  # megatron-core 0.19+ takes its own copy of the group for it
+            used.add("tp_ep_pp_egtp" if installed.gtp_groups() else "tp_ep_pp")
     return [n for n in GROUP_NAMES if n in used]
 
 

@@ -109,6 +109,7 @@ def save(ctx: RunContext, reason: str) -> None:
         with ctx.events.span("save", step=ctx.step, reason=reason, path=str(final)) as extra:
             handle = step_handler(ctx).begin_save(ctx, tmp)
             extra["host_copy"] = getattr(handle, "host_copy", None)
+            extra["async_strategy"] = getattr(handle, "async_strategy", None)
         ctx.deadlines.observe("checkpoint", time.monotonic() - t0)
         ctx.progress.pending_save = PendingSave(handle, ctx.step, tmp, final, reason)
         if not ctx.policy.checkpoint.async_:

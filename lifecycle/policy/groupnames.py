@@ -26,6 +26,8 @@ GROUPS: dict[str, str] = {
     "edp": "expert data parallel",
     "tp_ep": "expert tensor x expert model parallel",
     "tp_ep_pp": "expert tensor x expert model x pipeline parallel",
+    "tp_ep_pp_egtp": "expert tensor x expert model x pipeline parallel once more, merged across expert GTP peers "
+                     "(megatron-core 0.19+: the expert optimizer's gradient-norm group; the ranks of tp_ep_pp)",
     "intra_edp": "expert data parallel inside one distributed-optimizer instance",
     "intra_dist_opt": "all ranks of one distributed-optimizer instance",
     "inter_dist_opt": "across distributed-optimizer instances (inter partial expert-DP; the seed bug)",

@@ -25,7 +25,7 @@ import yaml
 from pydantic import ValidationError
 
 from lifecycle.errors import PolicyError, PolicyIssue
-from lifecycle.policy import yamlguard
+from lifecycle.policy import installed, yamlguard
 from lifecycle.policy.errors import clip, from_hydra, from_omegaconf, from_validation
 from lifecycle.policy.interpolation import check_interpolations
 from lifecycle.policy.kinds import is_schema_path, resolve
@@ -167,6 +167,9 @@ def validate(data: dict[str, Any], *, source: str | None = None, own_loop: bool 
         policy = resolve(policy, own_loop=own_loop)
     except PolicyError as exc:
         raise PolicyError(exc.issues, source=source) from None
+    needs = installed.issues(policy.checkpoint.async_strategy)  # a key that needs an installed package
+    if needs:
+        raise PolicyError(needs, source=source)
     chain = timeout_issues(policy)  # the timeout chain reads the built policy (its layer sits above the schema)
     if chain:
         raise PolicyError(chain, source=source)

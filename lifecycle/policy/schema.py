@@ -89,6 +89,11 @@ class CheckpointConfig(Section):
     thread's path, and a signal then stops one step later (a periodic-save step and the last step agree at once)."""
     async_: Flag = Field(False, alias="async")
     """Write shards in the background; commit at the next step boundary (two-phase commit still)."""
+    async_strategy: Literal["auto", "mcore", "nvrx"] = "auto"
+    """Whose code plans and writes a megatron-core checkpoint: mcore (megatron-core's own async save), nvrx
+    (nvidia-resiliency-ext's, megatron-core 0.17+; validate refuses it when the package is missing) or auto (nvrx
+    where megatron-core asks for it and a compatible nvidia-resiliency-ext is installed, else mcore). The commit
+    protocol is lifecycle's either way."""
     fully_parallel: Flag = False
     """Spread the write of replicated tensors over the data-parallel ranks."""
     coordination: Literal["store", "gloo"] = "store"

@@ -12,6 +12,7 @@ its own gloo group with a 2 s timeout, so a divergence fails fast and leaves meg
 from __future__ import annotations
 
 import datetime
+import functools
 import time
 from typing import Any
 
@@ -65,6 +66,7 @@ def _build_layer(experts_cls: type, seed: int = 1234) -> Any:
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.transformer.spec_utils import build_module
 
+    from lifecycle.backends.megatron.experts import with_experts
     from lifecycle.backends.megatron.model import parallel_sizes, transformer_config
     from lifecycle.backends.megatron.state import ModelSpec
     from lifecycle.policy.options import MegatronGPTOptions
@@ -74,8 +76,10 @@ def _build_layer(experts_cls: type, seed: int = 1234) -> Any:
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     moe_spec = get_moe_module_spec(use_te=False, num_experts=spec.options.num_experts, moe_grouped_gemm=False)
-    moe_spec.submodules.experts.module = experts_cls
-    layer = build_module(moe_spec, config=transformer_config(spec, parallel_sizes()))
+    moe_spec = with_experts(moe_spec, experts_cls)
+    config = transformer_config(spec, parallel_sizes())
+    # megatron-core 0.19's MoE spec is a functools.partial the transformer layer calls; older ones a ModuleSpec
+    layer = moe_spec(config=config) if isinstance(moe_spec, functools.partial) else build_module(moe_spec, config=config)
     with torch.no_grad():  # experts 0 and 1 win every token: inputs are positive, see _inputs
         weight = layer.router.weight
         weight[:2] = 0.5 + 0.1 * torch.rand(2, weight.shape[1], generator=torch.Generator().manual_seed(7))

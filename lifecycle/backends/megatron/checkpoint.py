@@ -34,18 +34,17 @@ of the default group must call it.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import queue
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from lifecycle.backends.megatron import async_saves
 from lifecycle.backends.megatron.cpu_compat import apply_cpu_compat
+from lifecycle.backends.megatron.logs import quiet
 from lifecycle.backends.megatron.save_handle import BACKEND, VERSION, SaveHandle
 from lifecycle.backends.megatron.schedule import finish_param_sync
 from lifecycle.backends.megatron.state import TrainState
@@ -219,28 +218,12 @@ def _capturing_strategy(thread_count: int) -> Any:
     class CapturingStrategy(TorchDistSaveShardedStrategy):  # type: ignore[misc, valid-type]
         captured: tuple[Any, Any, Any] | None = None
 
-        def _get_save_and_finalize_callbacks(self, writer: Any, save_state_dict_ret: Any) -> Any:
+        # 0.17+ pass the async strategy's name third
+        def _get_save_and_finalize_callbacks(self, writer: Any, save_state_dict_ret: Any, *args: Any) -> Any:
             self.captured = tuple(save_state_dict_ret)  # (writer, global_metadata, dist_wrapper)
-            return super()._get_save_and_finalize_callbacks(writer, save_state_dict_ret)
+            return super()._get_save_and_finalize_callbacks(writer, save_state_dict_ret, *args)
 
     return CapturingStrategy(BACKEND, VERSION, thread_count=thread_count, cached_metadata=True)
-
-
-@contextlib.contextmanager
-def _no_results_manager() -> Iterator[None]:
-    # FileSystemWriterAsync.prepare_write_data spawns a multiprocessing Manager (a fresh interpreter
-    # per rank) for its result queue. We collect results ourselves, so a plain queue stands in while
-    # we plan; restored after, so megatron's own async machinery still gets its Manager if used.
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    if getattr(filesystem_async, "_results_queue", 0) is not None:
-        yield
-        return
-    filesystem_async._results_queue = queue.Queue()
-    try:
-        yield
-    finally:
-        filesystem_async._results_queue = None
 
 
 def _host_buckets(request: Any, writer: Any, snapshot: bool) -> tuple[list[Any], str]:
@@ -252,7 +235,11 @@ def _host_buckets(request: Any, writer: Any, snapshot: bool) -> tuple[list[Any],
     which training would mutate under a background writer (megatron clones only non-contiguous views, not
     optimizer moments): with ``snapshot`` those are cloned now.
     """
-    if request.async_fn is None or not writer.write_buckets:
+    if request.async_fn is None:
+        return [], "none"
+    if not hasattr(writer, "write_buckets"):  # NVRx's writer: its preload builds the buckets, CPU tensors cloned
+        return list(request.preload_fn()), "nvrx"  # at planning already, GPU tensors copied to the host here
+    if not writer.write_buckets:
         return [], "none"
     live = writer.write_buckets
     on_gpu = any(t.is_cuda for _, _, (_, tensors) in live for _, t in tensors)
@@ -281,34 +268,16 @@ def _host_buckets(request: Any, writer: Any, snapshot: bool) -> tuple[list[Any],
     return out, "pinned"
 
 
-class _DropOverwriteWarning(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "Overwriting old incomplete" not in record.getMessage()
-
-
-@contextlib.contextmanager
-def _fresh_dir_warning_off() -> Iterator[None]:
-    """megatron-core's ``save`` warns "Overwriting old incomplete / corrupted checkpoint..." when rank 0 finds the
-    folder non-empty. Our ``iter_N.tmp`` is cleared by rank 0 before a barrier, so what rank 0 finds there are
-    the shards its peers started writing (cached save plans need no exchange first): a false alarm."""
-    serialization = logging.getLogger("megatron.core.dist_checkpointing.serialization")
-    drop = _DropOverwriteWarning()
-    serialization.addFilter(drop)
-    try:
-        yield
-    finally:
-        serialization.removeFilter(drop)
-
-
 def begin_save(state: TrainState, ckpt_dir: str, *, fully_parallel: bool = False,
-               async_: bool = False, thread_count: int = 1) -> SaveHandle:
+               async_: bool = False, thread_count: int = 1, async_strategy: str = "auto") -> SaveHandle:
     """Plan the save and start writing this rank's shard files.
 
     Collective: every rank of the default group must call it, in the same order; its collectives
     (listed in the module docstring) all happen before any shard is written. Without ``async_`` this
     rank's files are written and fsynced when it returns; with ``async_`` a background thread writes a
     snapshot, and training may continue at once. ``thread_count`` is the number of files per rank.
-    Then call :meth:`SaveHandle.wait_local` and one of the finalize methods.
+    Then call :meth:`SaveHandle.wait_local` and one of the finalize methods. ``async_strategy``
+    (``checkpoint.async_strategy``): whose planner and writer, megatron-core's or NVRx's (:mod:`.async_saves`).
     """
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
@@ -334,12 +303,23 @@ def begin_save(state: TrainState, ckpt_dir: str, *, fully_parallel: bool = False
         state.save_strategies[key] = (base, strategy)
     base, strategy = state.save_strategies[key]
     finish_param_sync(state)  # overlap_param_gather leaves the last update's all-gather to the next forward
-    with _no_results_manager(), _fresh_dir_warning_off():
+    chosen = async_saves.resolve(async_strategy)
+    if first and dist.get_rank() == 0:
+        logger.info("checkpoint saves: %s", async_saves.explain(chosen))
+    extra = {} if chosen is None else {"async_strategy": chosen}
+    # megatron-core's "Overwriting old incomplete / corrupted checkpoint..." when rank 0 finds the folder non-empty:
+    # our iter_N.tmp is cleared by rank 0 before a barrier, so what it finds there are the shards its peers started
+    # writing (cached save plans need no exchange first). 0.19's "MCore's async save is deprecated": the choice is
+    # checkpoint.async_strategy's, said once by lifecycle (async_saves.explain).
+    with async_saves.plain_results_queue(chosen), \
+            quiet("megatron.core.dist_checkpointing.serialization", "Overwriting old incomplete"), \
+            quiet("megatron.core.dist_checkpointing.strategies.torch", "MCore's async save is deprecated"):
         request = dist_checkpointing.save(sharded_state(state), ckpt_dir, sharded_strategy=strategy,
-                                          async_sharded_save=True, validate_access_integrity=first)
+                                          async_sharded_save=True, validate_access_integrity=first, **extra)
     writer, global_metadata, _ = base.captured
     handle = SaveHandle(ckpt_dir, writer, global_metadata, step=state.step)
     handle.plan_s = time.perf_counter() - t0
+    handle.async_strategy = chosen or "mcore"
     buckets, handle.host_copy = _host_buckets(request, writer, snapshot=async_)
     handle.start_writes(buckets, async_)
     return handle

@@ -102,21 +102,24 @@ def _chunks(spec: ModelSpec, config: Any, sizes: dict[str, int]) -> list[Any]:
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from lifecycle.backends.megatron.experts import skip_empty_experts
+    from lifecycle.backends.megatron.experts import skip_empty_experts, with_experts
+    from lifecycle.backends.megatron.logs import quiet
 
     o = spec.options
     layer_spec = get_gpt_layer_local_spec(num_experts=o.num_experts or None, moe_grouped_gemm=False)
     if o.experts_skip_empty and o.num_experts:
-        layer_spec.submodules.mlp.submodules.experts.module = skip_empty_experts()
+        layer_spec = with_experts(layer_spec, skip_empty_experts())
     vpp = sizes["vpp"] if sizes["vpp"] > 1 else None
     out = []
     for stage in range(vpp or 1):
         vp_stage = stage if vpp else None
-        out.append(GPTModel(
-            config=config, transformer_layer_spec=layer_spec, vocab_size=o.vocab, max_sequence_length=o.seq_len,
-            position_embedding_type="learned_absolute", vp_stage=vp_stage,
-            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)))
+        # 0.19 logs "GPTModel IS DEPRECATED" (HybridModel is its successor): the built-in kind's model, not the user's
+        with quiet("megatron.core.models.gpt.gpt_model", "GPTModel IS DEPRECATED"):
+            out.append(GPTModel(
+                config=config, transformer_layer_spec=layer_spec, vocab_size=o.vocab, max_sequence_length=o.seq_len,
+                position_embedding_type="learned_absolute", vp_stage=vp_stage,
+                pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)))
     return out
 
 

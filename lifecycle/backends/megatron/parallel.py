@@ -45,6 +45,7 @@ _GETTERS: dict[str, list[tuple[str, dict[str, Any]]]] = {
     "tp_ep": [("get_expert_tensor_and_model_parallel_group", {}),
               ("get_tensor_and_expert_parallel_group", {})],
     "tp_ep_pp": [("get_expert_tensor_model_pipeline_parallel_group", {})],
+    "tp_ep_pp_egtp": [("get_expert_tensor_model_pipeline_parallel_group", {"with_egtp_remat": True})],  # 0.19+
     "intra_edp": [("get_expert_data_parallel_group", {"partial_expert_data_parallel": True})],
     "intra_dist_opt": [("get_intra_distributed_optimizer_instance_group", {})],
     "inter_dist_opt": [("get_inter_distributed_optimizer_instance_group", {})],

@@ -27,17 +27,17 @@ _PHASE = "checkpoint"
 
 
 def _write_buckets(writer: Any, buckets: Sequence[Any]) -> list[Any]:
-    """Write this rank's buckets with megatron's per-file writer (fsync on); return WriteResults."""
-    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+    """Write this rank's buckets with the writer's per-file write (megatron-core's or NVRx's; fsync on); return
+    WriteResults."""
+    from lifecycle.backends.megatron.async_saves import write_bucket
 
-    transforms = [writer.transforms] if hasattr(writer, "transforms") else []
     results: queue.SimpleQueue[Any] = queue.SimpleQueue()
     count: queue.Queue[int] = queue.Queue()
     out: list[Any] = []
     with cuda_to_cpu_mode():
         for i, bucket in enumerate(buckets):
             count.put(i)
-            FileSystemWriterAsync.write_preloaded_data(transforms, i, bucket, results, count, True)
+            write_bucket(writer, i, bucket, results, count)
             _, res = results.get()
             if isinstance(res, BaseException):
                 raise PhaseError(f"rank {dist.get_rank()}: writing {bucket[0]} failed: {res}",
@@ -57,7 +57,10 @@ class SaveHandle:
         self.plan_s = 0.0
         self.write_s: float | None = None
         self.host_copy = "none"
-        """How the shards reached host memory: ``pinned`` (GPU -> page-locked buffers) or ``cpu``."""
+        """How the shards reached host memory: ``pinned`` (GPU -> page-locked buffers), ``cpu``, or ``nvrx`` (NVRx's
+        writer: CPU tensors cloned while planning, GPU tensors copied by its preload)."""
+        self.async_strategy = "mcore"
+        """Whose planner and writer made this save: ``mcore`` (megatron-core's) or ``nvrx``."""
         self._writer = writer
         self._global_metadata = global_metadata  # only on global rank 0
         self._results: list[Any] | None = None

@@ -27,7 +27,8 @@ class TorchDistCheckpoints:
 
         self.state.step = ctx.step
         ck = ctx.policy.checkpoint
-        return checkpoint.begin_save(self.state, str(ckpt_dir), fully_parallel=ck.fully_parallel, async_=ck.async_)
+        return checkpoint.begin_save(self.state, str(ckpt_dir), fully_parallel=ck.fully_parallel, async_=ck.async_,
+                                     async_strategy=ck.async_strategy)
 
     def load(self, ctx: StepContext, ckpt_dir: Path) -> int:
         """Collective on the default group."""

@@ -21,6 +21,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the layer is a no-op with CUDA")
+NO_CUDA = ("AssertionError", "RuntimeError")
+"""What an unpatched ``torch.cuda`` call raises without a GPU: a CPU build, or a CUDA build with no driver."""
 
 PROBE = textwrap.dedent(
     """
@@ -31,6 +33,8 @@ PROBE = textwrap.dedent(
 
     out = {}
     out["before_applied"] = cc.is_applied()
+    from megatron.core.transformer.moe import moe_utils as mu  # 0.16.1 lacks it without TransformerEngine
+    out["te_general_gemm_missing"] = not hasattr(mu, "te_general_gemm")
     try:
         torch.cuda.current_device()
         out["before_current_device"] = "ok"
@@ -126,7 +130,9 @@ def report() -> dict[str, Any]:
 @pytest.mark.timeout(120)
 def test_unpatched_before_and_patched_after(report: dict[str, Any]) -> None:
     assert report["before_applied"] is False
-    assert report["before_current_device"] == "AssertionError"  # "Torch not compiled with CUDA"
+    # a CPU build: "Torch not compiled with CUDA enabled"; a CUDA build on a machine without a GPU (what pip
+    # installs on Python 3.12): "No CUDA GPUs are available" / "Found no NVIDIA driver"
+    assert report["before_current_device"] in NO_CUDA
     assert report["first"] is True and report["is_applied"] is True
 
 
@@ -135,7 +141,8 @@ def test_lists_every_patch(report: dict[str, Any]) -> None:
     patches = report["patches"]
     for expected in ("torch.cuda.current_device", "torch.cuda.synchronize", "torch.cuda.Stream",
                      "torch.cuda.Event", "torch.cuda.current_stream", "torch.cuda.stream",
-                     "megatron RNG tracker -> CPU generator", "moe_utils.te_general_gemm = None",
+                     "megatron RNG tracker -> CPU generator",
+                     *(["moe_utils.te_general_gemm = None"] if report["te_general_gemm_missing"] else []),
                      "token_dispatcher.maybe_move_tensor_to_cpu -> numpy on CPU",
                      "WrappedTorchNorm accepts sequence_parallel",
                      "mappings._gather_along_first_dim pads uneven splits (gloo)",
@@ -162,7 +169,7 @@ def test_cuda_calls_run_on_cpu(report: dict[str, Any]) -> None:
 
 @pytest.mark.timeout(120)
 def test_device_rewrite_is_thread_local(report: dict[str, Any]) -> None:
-    assert report["thread"] == {"bare": "AssertionError", "with_mode": "cpu"}
+    assert report["thread"]["bare"] in NO_CUDA and report["thread"]["with_mode"] == "cpu"
 
 
 @pytest.mark.timeout(120)

@@ -44,3 +44,27 @@ def fill_up(folder: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+NVRX_ENV = "LIFECYCLE_TEST_NVRX"
+"""A folder holding nvidia-resiliency-ext 0.6+ (``make test-py312`` unpacks it there: requirements/nvrx-py312.txt);
+the tests of ``checkpoint.async_strategy=nvrx`` put it on their jobs' path, the rest of the suite runs without it."""
+
+
+def nvrx_missing() -> str | None:
+    """Why the nvrx tests cannot run here (None when they can)."""
+    from lifecycle.policy import installed
+
+    mc = installed.megatron_version()
+    if mc is None or mc[:2] < installed.ASYNC_STRATEGY_FROM:
+        return f"megatron-core {installed.version(installed.MEGATRON)} has no async_strategy (0.17+): nothing to test"
+    folder = os.environ.get(NVRX_ENV, "")
+    if not folder or not (Path(folder) / "nvidia_resiliency_ext").is_dir():
+        return f"{NVRX_ENV} names no folder with nvidia-resiliency-ext (make test-py312 sets it)"
+    return None
+
+
+def nvrx_env() -> dict[str, str]:
+    """The environment of a job that sees nvidia-resiliency-ext (:data:`NVRX_ENV`'s folder on PYTHONPATH)."""
+    path = [os.environ[NVRX_ENV], *filter(None, [os.environ.get("PYTHONPATH")])]
+    return {"PYTHONPATH": os.pathsep.join(path)}

@@ -1,4 +1,4 @@
-"""The locked environment (requirements/lock.txt) read back: its pins, and how they meet pyproject's ranges.
+"""The locked environments (requirements/lock.txt; lock-py312.txt for the Python 3.12 stack) read back: its pins, and how they meet pyproject's ranges.
 
 ``python -m tests.lockfile LOCK FREEZE`` prints what an environment (``pip list --format=freeze``) has that
 differs from the lock; ``make test-latest`` uses it to say what the newest releases changed.
@@ -17,7 +17,15 @@ from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parents[1]
 LOCK = ROOT / "requirements" / "lock.txt"
+LOCK_PY312 = ROOT / "requirements" / "lock-py312.txt"
+"""The second stack's lock (``make test-py312``): Python 3.12, the newest megatron-core, torch from PyPI."""
+LOCKS = {(3, 11): LOCK, (3, 12): LOCK_PY312}
 LOCK_IN = ROOT / "requirements" / "lock.in"
+
+
+def lock_for(version: tuple[int, int]) -> Path | None:
+    """The lock of the stack on this Python (``sys.version_info[:2]``), or None when none is locked for it."""
+    return LOCKS.get(version)
 _PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s\\;]+)")
 
 

@@ -97,6 +97,10 @@ def resolve(parallel: ParallelState, names: Sequence[str] | str,
     return out
 
 
+NEWER = {"tp_ep_pp_egtp": "megatron-core 0.19+"}
+"""Groups that only newer megatron-cores make: their absence is the version's, not the layout's."""
+
+
 def _missing(name: str, required: Sequence[str], get_group: Callable[[str], ProcessGroup | None],
              rank: int) -> None:
     parent = _PARTIAL.get(name)
@@ -107,6 +111,9 @@ def _missing(name: str, required: Sequence[str], get_group: Callable[[str], Proc
         raise PhaseError(f"required group {name!r} does not exist on this rank; is megatron's "
                          f"parallel state initialized with a layout that creates it (e.g. "
                          f"inter_dist_opt needs dist_opt_instances > 1)?", group=name, rank=rank)
+    if name in NEWER:
+        logger.debug("group %r exists with %s only; skipped", name, NEWER[name])
+        return
     logger.info("group %r does not exist in this layout; skipped", name)
 
 

@@ -42,7 +42,9 @@ READY_S = 120.0
 """How long the launcher waits for the preload process's imports (a cold shared file system can take a minute)."""
 
 TORCH = ("torch", "torch.distributed", "lifecycle.launch.worker", "lifecycle.machine.session", "lifecycle.machine.orchestrator")
-MEGATRON = ("megatron.core", "megatron.core.models.gpt", "lifecycle.backends.megatron.parallel")
+# lifecycle's megatron backend first: its package sets the warning filters megatron-core's import needs
+MEGATRON = ("lifecycle.backends.megatron", "megatron.core", "megatron.core.models.gpt",
+            "lifecycle.backends.megatron.parallel")
 
 
 def enabled(env: Mapping[str, str] | None = None) -> bool:

@@ -255,6 +255,16 @@ def check_rendezvous_env(env: dict[str, str] | os._Environ[str] | None = None) -
                          f"--master-port / rendezvous settings")
 
 
+def check_megatron_imports(policy: Policy) -> None:
+    """A job that runs megatron-core (the megatron kind) beside an nvidia-resiliency-ext that megatron-core refuses
+    at import: a UsageError (exit 2) naming both versions and the fix, before any rank starts."""
+    from lifecycle.policy import installed
+
+    why = installed.nvrx_conflict() if policy.train.kind == "megatron_gpt" else None
+    if why is not None:
+        raise UsageError(why)
+
+
 def check_comm_budget(policy: Policy, world_size: int, ranks_per_node: int) -> None:
     """``distributed.comm_memory_budget_gib``: every rank's estimated communicator memory, for the backend the run
     will use (:func:`~lifecycle.distributed.comm_memory.backend_of`), within the budget, or a PolicyError (exit 2)

@@ -32,6 +32,7 @@ def preflight(policy: Policy, world_size: int, ranks_per_node: int | None = None
         issues = timeout_issues(policy, last_save_s=_last_save_s(Path(policy.run.dir)))
     if issues:
         raise PolicyError(issues, source=f"world size {world_size}")
+    checks.check_megatron_imports(policy)
     local = os.environ.get("LOCAL_WORLD_SIZE", "")
     per_node = ranks_per_node or (int(local) if local.isdigit() and int(local) > 0 else min(world_size, 8))
     checks.check_comm_budget(policy, world_size, per_node)

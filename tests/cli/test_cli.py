@@ -176,3 +176,29 @@ def test_verdict_exits_with_the_code_the_ranks_ended_with(tmp_path: Path) -> Non
     assert proc.returncode == 0 and "all 2 ranks exited 0" in proc.stdout
     proc = run_cli("verdict", str(tmp_path))
     assert proc.returncode == 2 and "not a lifecycle run directory" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_validate_refuses_async_strategy_nvrx_without_the_package() -> None:
+    from lifecycle.policy import installed
+
+    if installed.version(installed.NVRX) is not None:
+        pytest.skip("nvidia-resiliency-ext is installed in this environment")
+    proc = run_cli("validate", "checkpoint.async_strategy=nvrx")
+    assert proc.returncode == 2, proc.stderr
+    assert "checkpoint.async_strategy: nvrx needs nvidia-resiliency-ext, which is not installed" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert run_cli("validate", "checkpoint.async_strategy=auto").returncode == 0
+
+
+def test_run_refuses_an_nvrx_that_megatron_core_cannot_import_before_any_rank(tmp_path: Path) -> None:
+    """megatron-core 0.18+ beside nvidia-resiliency-ext < 0.6 (what pip picks where glibc is older than 2.39) fails at
+    ``import megatron.core``: said before launch with both versions and the fix (stand-in packages' metadata)."""
+    for name, version in (("megatron_core", "0.19.2"), ("nvidia_resiliency_ext", "0.4.1")):
+        info = tmp_path / "site" / f"{name}-{version}.dist-info"
+        info.mkdir(parents=True)
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name.replace('_', '-')}\nVersion: {version}\n")
+    proc = run_cli("run", "--nproc", "2", f"run.dir={tmp_path / 'run'}", "train.steps=2",
+                   env={"PYTHONPATH": str(tmp_path / "site")})
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "megatron-core 0.19.2 cannot be imported beside nvidia-resiliency-ext 0.4.1" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "run" / "logs").exists()

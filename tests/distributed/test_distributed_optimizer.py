@@ -42,6 +42,7 @@ def test_moe_large_reduces_gradients_over_inter_dist_opt_every_step(tmp_path: Pa
     assert (ck / "iter_0000002" / "metadata.json").is_file()
 
 
+@pytest.mark.megatron
 @pytest.mark.timeout(150)
 def test_resume_at_another_data_parallel_size_equals_the_uninterrupted_run(tmp_path: Path) -> None:
     # dp4 x 1 micro-batch and dp2 x 2 micro-batches see the same global batch of each step (see

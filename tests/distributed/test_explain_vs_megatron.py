@@ -14,7 +14,7 @@ from lifecycle.policy.load import load
 from tests.distributed.test_layout_vs_megatron import _check
 from tests.helpers import run_cli
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.megatron]
 
 LAYOUTS = [
     (8, {"tp": 2, "pp": 2, "ep": 2}),

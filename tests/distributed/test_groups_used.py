@@ -18,6 +18,7 @@ def _names(labels: Any) -> set[str]:
     return {n for label in labels for n in label.split("=") if n != "..."}
 
 
+@pytest.mark.megatron
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("layout", [
     ["parallelism.ep=2"],

@@ -11,7 +11,7 @@ import pytest
 
 from tests._dist import init_gloo, run_ranks
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.megatron]
 
 
 def _compare(rank: int, world: int, sizes: dict[str, Any]) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.distributed.runs import FAST, lifecycle_run
+from tests.helpers import nvrx_env, nvrx_missing
 
 pytestmark = pytest.mark.distributed
 
@@ -17,6 +18,7 @@ def _losses(run) -> dict[int, float]:  # type: ignore[no-untyped-def]
     return {e["step"]: e["loss"] for e in run.events()[0] if e["name"] == "step" and e["kind"] == "end"}
 
 
+@pytest.mark.megatron
 @pytest.mark.timeout(120)
 def test_default_job_trains_saves_and_exits_0(tmp_path: Path) -> None:
     run = lifecycle_run(tmp_path, 4)
@@ -58,23 +60,43 @@ def test_default_job_trains_saves_and_exits_0(tmp_path: Path) -> None:
         assert all(e["t"] < first_step for e in sized), rank
 
 
-@pytest.mark.timeout(120)
-def test_resume_continues_the_loss_curve(tmp_path: Path) -> None:
-    ck = tmp_path / "ckpt"
-    full = lifecycle_run(tmp_path / "a", 4, *FAST, "train.steps=12", "checkpoint.every_steps=0", "checkpoint.at_end=false")
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
+    """The losses of 12 steps without a save (the resume tests' reference)."""
+    full = lifecycle_run(tmp_path_factory.mktemp("full"), 4, *FAST, "train.steps=12", "checkpoint.every_steps=0",
+                         "checkpoint.at_end=false")
     assert full.code == 0, full.output
+    return _losses(full)
+
+
+@pytest.mark.megatron
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("strategy", ["auto", "nvrx"])
+def test_resume_continues_the_loss_curve(tmp_path: Path, strategy: str, uninterrupted: dict[int, float]) -> None:
+    """checkpoint.async_strategy: auto without nvidia-resiliency-ext (what pip gives most users) is megatron-core's
+    own async save; nvrx is NVRx's planner, writer and metadata cache. Either resumes to the same losses."""
+    env: dict[str, str] = {}
+    if strategy == "nvrx":
+        if nvrx_missing():
+            pytest.skip(nvrx_missing())
+        env = nvrx_env()
+    ck = tmp_path / "ckpt"
     # Five saves: from the third on, megatron-core reuses the cached save plan and global metadata.
     first = lifecycle_run(tmp_path / "b", 4, *FAST, "train.steps=10", "checkpoint.every_steps=2",
-                          f"checkpoint.dir={ck}")
+                          f"checkpoint.dir={ck}", f"checkpoint.async_strategy={strategy}", env=env)
     assert first.code == 0, first.output
     # Peers start writing before rank 0 enters megatron's save (cached plans): no false "corrupted" warning.
     assert "Overwriting old incomplete" not in first.output + first.log(0)
-    resumed = lifecycle_run(tmp_path / "c", 4, *FAST, "train.steps=12", f"checkpoint.dir={ck}")
+    assert "async save is deprecated" not in first.output + first.log(0)
+    saves = [e for e in first.events()[0] if e["name"] == "save" and e["kind"] == "end"]
+    assert [e["async_strategy"] for e in saves] == ["mcore" if strategy == "auto" else "nvrx"] * 5
+    resumed = lifecycle_run(tmp_path / "c", 4, *FAST, "train.steps=12", f"checkpoint.dir={ck}",
+                            f"checkpoint.async_strategy={strategy}", env=env)
     assert resumed.code == 0, resumed.output
     assert sorted(p.name for p in ck.iterdir()) == ["iter_0000010", "iter_0000012", "latest",
                                                    "latest_checkpointed_iteration.txt"]
     assert "resumed from step 10" in resumed.proc.stdout
-    a, c = _losses(full), _losses(resumed)
+    a, c = uninterrupted, _losses(resumed)
     assert sorted(c) == [11, 12]
     assert c[11] == pytest.approx(a[11], rel=1e-6) and c[12] == pytest.approx(a[12], rel=1e-6)
 
@@ -195,6 +217,7 @@ def _save_with_megatron_cores_own_save(rank: int, world: int, ckpt_dir: str) -> 
     return losses
 
 
+@pytest.mark.megatron
 @pytest.mark.timeout(170)
 def test_a_checkpoint_saved_by_megatron_cores_own_save_resumes(tmp_path: Path) -> None:
     from tests._dist import run_ranks

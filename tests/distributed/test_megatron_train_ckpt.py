@@ -7,6 +7,7 @@ model once. Timings (build, step, save, load) are printed with ``pytest -s``.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from typing import Any
 
@@ -14,11 +15,12 @@ import pytest
 
 from lifecycle.policy import installed
 from tests._dist import init_gloo, run_ranks, shared_store
+from tests.helpers import NVRX_ENV, nvrx_missing
 
 pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.megatron]
 WORLD, TP, EP, ETP = 4, 2, 2, 1
 DEADLINE_S = 100.0
 
@@ -221,7 +223,9 @@ def test_save_load_resume_is_exact(tmp_path: Any) -> None:
 # ------------------------------------------------------------- no default-group collective after writes
 
 
-def _finalize_off_default_group_rank(rank: int, world: int, root: str) -> dict[str, Any]:
+def _finalize_off_default_group_rank(rank: int, world: int, root: str, strategy: str) -> dict[str, Any]:
+    if strategy == "nvrx":  # megatron-core imports NVRx's modules when a save asks for them
+        sys.path.insert(0, os.environ[NVRX_ENV])
     init_gloo(rank, world)
     _setup()
     import torch.distributed as dist
@@ -235,7 +239,8 @@ def _finalize_off_default_group_rank(rank: int, world: int, root: str) -> dict[s
     _train(state, 1)
     out: dict[str, Any] = {}
     # Rank 3 publishes 3 s late: ranks 1 and 2 must not wait for it, rank 0 must.
-    handle = ck.begin_save(state, f"{root}/late", fully_parallel=True, async_=True)
+    handle = ck.begin_save(state, f"{root}/late", fully_parallel=True, async_=True, async_strategy=strategy)
+    out["strategy"] = handle.async_strategy
     if rank == 3:
         time.sleep(3.0)
     t0 = time.monotonic()
@@ -243,7 +248,7 @@ def _finalize_off_default_group_rank(rank: int, world: int, root: str) -> dict[s
     out["late_s"] = time.monotonic() - t0
     out["late_complete"] = os.path.exists(f"{root}/late/metadata.json")
     # Rank 3 never publishes: rank 0 names it after its deadline, the checkpoint stays incomplete.
-    handle = ck.begin_save(state, f"{root}/never", fully_parallel=False, async_=True)
+    handle = ck.begin_save(state, f"{root}/never", fully_parallel=False, async_=True, async_strategy=strategy)
     out["missing"] = None
     if rank == 3:
         handle.wait_local(30)
@@ -258,8 +263,14 @@ def _finalize_off_default_group_rank(rank: int, world: int, root: str) -> dict[s
 
 
 @pytest.mark.timeout(120)
-def test_finalize_issues_no_default_group_collective(tmp_path: Any) -> None:
-    results = run_ranks(_finalize_off_default_group_rank, WORLD, DEADLINE_S, str(tmp_path))
+@pytest.mark.parametrize("strategy", ["mcore", "nvrx"])
+def test_finalize_issues_no_default_group_collective(tmp_path: Any, strategy: str) -> None:
+    """Whichever async save plans it (megatron-core's or NVRx's), no default-group collective follows the writes:
+    megatron's finalize (gather + broadcast + barrier, and AsyncCallsQueue's all_reduce) is replaced by the store."""
+    if strategy == "nvrx" and nvrx_missing():
+        pytest.skip(nvrx_missing())
+    results = run_ranks(_finalize_off_default_group_rank, WORLD, DEADLINE_S, str(tmp_path), strategy)
+    assert {r["strategy"] for r in results} == {strategy}
     assert results[1]["late_s"] < 1.5 and results[2]["late_s"] < 1.5, results
     assert results[0]["late_s"] > 2.0, results
     assert results[0]["late_complete"]

@@ -9,7 +9,7 @@ import pytest
 
 from tests._dist import init_gloo, run_ranks
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.megatron]
 
 DEADLINE_S = 2.5
 

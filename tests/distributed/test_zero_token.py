@@ -23,7 +23,7 @@ from tests._dist import init_gloo, run_ranks
 pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.megatron]
 WORLD, EP = 2, 2
 DEADLINE_S = 90.0
 SYNC_TIMEOUT_S = 2.0

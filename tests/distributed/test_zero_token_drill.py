@@ -58,6 +58,7 @@ def test_without_a_guard_the_job_deadlocks_and_the_watchdog_names_step_groups_an
         assert last - fired < STEP_DEADLINE, (rank, last - fired)  # named before the step deadline
 
 
+@pytest.mark.megatron
 @pytest.mark.timeout(150)
 def test_dummy_forward_trains_on_with_finite_gradients(tmp_path: Path) -> None:
     run = lifecycle_run(tmp_path, 8, *DRILL, "moe.zero_token.action=dummy_forward", timeout=140)

@@ -162,6 +162,7 @@ def _environ(pid: int) -> list[str]:
         return []
 
 
+@pytest.mark.megatron
 @pytest.mark.timeout(120)
 def test_the_trainers_own_save_is_wrapped_committed_and_tracked(tmp_path: Path) -> None:
     run = tmp_path / "run"

@@ -10,7 +10,7 @@ import pytest
 from lifecycle.launch import preload
 from lifecycle.launch.parent import ENV_LAUNCHER_PID
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.megatron]  # the preload imports megatron-core
 
 
 def _zygote(tmp_path: Path, modules: tuple[str, ...] = ("json",)) -> preload.Zygote:

@@ -34,9 +34,13 @@ of the default group must call it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import re
 import time
+import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -104,7 +108,6 @@ def load(state: TrainState, ckpt_dir: str, *, fully_parallel: bool = False) -> i
     compatibility layer makes work. A checkpoint saved at another world size (another data-parallel size)
     loads too, without its per-rank RNG states.
     """
-    from megatron.core import dist_checkpointing, tensor_parallel
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.strategies.fully_parallel import (
         FullyParallelLoadStrategyWrapper,
@@ -117,6 +120,25 @@ def load(state: TrainState, ckpt_dir: str, *, fully_parallel: bool = False) -> i
         strategy = FullyParallelLoadStrategyWrapper(
             TorchDistLoadShardedStrategy(), ps.get_data_parallel_group(with_context_parallel=True))
     _allocate_optimizer_state(state.optimizer)
+    with _load_warnings_off():
+        return _load(state, ckpt_dir, strategy)
+
+
+@contextlib.contextmanager
+def _load_warnings_off() -> Iterator[None]:
+    """torch's warnings on the APIs megatron-core's load calls (``load_state_dict`` and ``ShardedTensor`` deprecated;
+    0.19 reads the common state with ``no_dist=True``: "torch.distributed is disabled ... single process"): not the
+    user's to act on, and the ShardedTensor one names lifecycle's CPU layer as its caller."""
+    with warnings.catch_warnings():
+        for text in ("`load_state_dict` is deprecated", "Please use DTensor instead",
+                     "torch.distributed is disabled, unavailable or uninitialized"):
+            warnings.filterwarnings("ignore", message=re.escape(text))
+        yield
+
+
+def _load(state: TrainState, ckpt_dir: str, strategy: Any) -> int:
+    from megatron.core import dist_checkpointing, tensor_parallel
+
     common = dist_checkpointing.load_common_state_dict(ckpt_dir)
     if not ("step" in common and "world_size" in common):
         return _load_foreign(state, ckpt_dir, common, strategy)

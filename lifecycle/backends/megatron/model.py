@@ -135,6 +135,7 @@ def build(spec: ModelSpec) -> TrainState:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+    from lifecycle.backends.megatron.logs import quiet
     from lifecycle.backends.megatron.schedule import wire_schedule
 
     apply_cpu_compat()
@@ -159,8 +160,11 @@ def build(spec: ModelSpec) -> TrainState:
     # No broadcast_params(): the seeding above already gives identical dp/edp replicas (checked), and
     # a broadcast would touch the dp and expert-dp groups at build time, hiding their lazy first use.
     # Chunks after the first keep one bucket each (Megatron-LM's disable_bucketing).
-    chunks = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=gpt, disable_bucketing=i > 0)
-              for i, gpt in enumerate(gpts)]
+    # 0.19 asks callers to pass a precomputed full_param_layout with the distributed optimizer and computes the same
+    # one itself when none is given (what this does); its log line about it is not the user's to act on.
+    with quiet("megatron.core.distributed.distributed_data_parallel", "full_param_layout not provided"):
+        chunks = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=gpt, disable_bucketing=i > 0)
+                  for i, gpt in enumerate(gpts)]
     opt_config = OptimizerConfig(optimizer="adam", lr=o.lr, weight_decay=0.0, bf16=False, fp16=False,
                                  params_dtype=torch.float32, clip_grad=spec.clip_grad,
                                  use_distributed_optimizer=o.use_distributed_optimizer,

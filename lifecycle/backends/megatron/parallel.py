@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from lifecycle.distributed.layout import DEFAULT_ORDER, build_layout, check_name
 from lifecycle.errors import PhaseError, UsageError
+from lifecycle.policy import installed
 from lifecycle.policy.groupnames import GROUP_NAMES
 
 if TYPE_CHECKING:
@@ -65,8 +66,13 @@ _NEUTRAL: dict[str, tuple[object, ...]] = {
 
 def _ps() -> ModuleType:
     # Imported on first use: megatron.core takes seconds to import.
-    from megatron.core import parallel_state
-
+    try:
+        from megatron.core import parallel_state
+    except (AssertionError, AttributeError) as exc:  # 0.18+ refuse an old nvidia-resiliency-ext at import
+        why = installed.nvrx_conflict()
+        if why is None:
+            raise
+        raise UsageError(why) from exc
     return parallel_state
 
 

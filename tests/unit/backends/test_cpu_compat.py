@@ -20,7 +20,7 @@ from tests.conftest import ROOT
 torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the layer is a no-op with CUDA")
+pytestmark = [pytest.mark.skipif(torch.cuda.is_available(), reason="the layer is a no-op with CUDA"), pytest.mark.megatron]
 NO_CUDA = ("AssertionError", "RuntimeError")
 """What an unpatched ``torch.cuda`` call raises without a GPU: a CPU build, or a CUDA build with no driver."""
 

@@ -57,13 +57,19 @@ def test_distributed_optimizer_instances() -> None:
     assert lay.groups("intra_dp_cp") == [[0, 1, 2, 3], [4, 5, 6, 7]]  # the dense dp (8) in two instances
 
 
-def test_distinct_groups_merge_aliases() -> None:
-    lay = build_layout(4, tp=2, ep=2)
+@pytest.mark.megatron
+@pytest.mark.parametrize("gtp", [False, True], ids=["megatron-core<0.19", "megatron-core>=0.19"])
+def test_distinct_groups_merge_aliases(gtp: bool) -> None:
+    lay = build_layout(4, tp=2, ep=2, gtp=gtp)
     distinct = dict((tuple(names), ranks) for names, ranks in lay.distinct_groups_of(1))
-    assert distinct[("world", "tp_dp", "tp_dp_cp", "tp_ep", "tp_ep_pp", "intra_dist_opt")] == [0, 1, 2, 3]
+    expert = ("tp_ep", "tp_ep_pp", "tp_ep_pp_egtp") if gtp else ("tp_ep", "tp_ep_pp")
+    assert distinct[("world", "tp_dp", "tp_dp_cp", *expert, "intra_dist_opt")] == [0, 1, 2, 3]
     assert distinct[("dp", "dp_cp", "ep", "intra_dp_cp", "dp_gloo", "dp_cp_gloo")] == [1, 3]
     named = [n for names, _ in lay.distinct_groups_of(1) for n in names]
-    assert sorted(named) == sorted(n for n in GROUP_NAMES if n not in ("inter_dist_opt",))
+    absent = ("inter_dist_opt",) if gtp else ("inter_dist_opt", "tp_ep_pp_egtp")
+    assert sorted(named) == sorted(n for n in GROUP_NAMES if n not in absent)
+    # 0.19 makes three more process groups per rank: two one-rank GTP groups and tp_ep_pp_egtp
+    assert lay.communicators_of(1) == build_layout(4, tp=2, ep=2, gtp=False).communicators_of(1) + 3 * gtp
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
@@ -134,6 +140,7 @@ _DESC = {
     "EXPERT_MODEL_PARALLEL_GROUP": "ep", "EXPERT_TENSOR_PARALLEL_GROUP": "etp",
     "EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP": "tp_ep",
     "EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP": "tp_ep_pp", "EXPERT_DATA_PARALLEL_GROUP": "edp",
+    "EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP_WITH_EGTP": "tp_ep_pp_egtp",  # megatron-core 0.19+
     "EXPERT_DATA_PARALLEL_GROUP_GLOO": "edp_gloo",
     "HIERARCHICAL_EXPERT_DATA_PARALLEL_GROUP_L0": "intra_edp",
     "HIERARCHICAL_EXPERT_DATA_PARALLEL_GROUP_L1": "inter_dist_opt",
@@ -167,6 +174,7 @@ def _megatron_groups(monkeypatch: pytest.MonkeyPatch, world: int, **sizes: objec
     return made
 
 
+@pytest.mark.megatron
 @pytest.mark.parametrize(("world", "tp", "pp", "cp", "ep", "etp", "inst", "order"), [
     (8, 2, 2, 1, 2, None, 1, "tp-cp-ep-dp-pp"),
     (16, 2, 2, 2, 2, 1, 2, "tp-cp-ep-dp-pp"),

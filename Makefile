@@ -82,8 +82,10 @@ test-py312:
 	  OMP_NUM_THREADS=1 LIFECYCLE_TEST_NVRX=$(CURDIR)/$(VENV312)/nvrx $(VENV312)/bin/pytest -q -p no:randomly \
 	    -m "megatron and not slow" --durations=20; fi
 
+# From the public index only: pip's configuration here also offers a local CPU torch for Python 3.11 under the same
+# version, whose hash alone would otherwise be locked.
 lock-py312: $(STAMP312)
-	CUSTOM_COMPILE_COMMAND="make lock-py312" $(VENV312)/bin/pip-compile -q --upgrade --generate-hashes --allow-unsafe \
+	PIP_CONFIG_FILE=/dev/null PIP_FIND_LINKS= CUSTOM_COMPILE_COMMAND="make lock-py312" $(VENV312)/bin/pip-compile -q --upgrade --generate-hashes --no-reuse-hashes --allow-unsafe \
 	  --strip-extras --extra dev --no-emit-index-url --no-emit-find-links -o $(LOCK312) pyproject.toml requirements/lock.in
 
 lock: $(STAMP)

@@ -78,7 +78,8 @@ def attach(config_name: str | None = None, config_dir: str | Path | None = None,
 
     rank, world, local_rank = _ranks()
     every = [*overrides, *([f"run.dir={run_dir}"] if run_dir is not None else [])]
-    policy = load(every, config_dir=config_dir, config_name=config_name or "config", own_loop=True).policy
+    policy = _fitted(load(every, config_dir=config_dir, config_name=config_name or "config", own_loop=True).policy,
+                     rank)
     parallel = _adopted_parallel(policy, world)
     path = prepare_rank_dir(policy, rank, world, every, hint="run_dir= or run.id=")
     ctx = build_context(policy, path, rank, world, local_rank, parallel, own_loop=True)
@@ -87,6 +88,22 @@ def attach(config_name: str | None = None, config_dir: str | Path | None = None,
     _active = job
     job._begin()
     return job
+
+
+def _fitted(policy: Policy, rank: int) -> Policy:
+    """Under a trainer's own default group: the deadlines nobody set fitted under its timeout (torch's default unless
+    the trainer chose one), the same on every rank (:func:`lifecycle.policy.timeouts.fit_to_group_timeout`)."""
+    from lifecycle.phases.init import default_group_timeout_s
+    from lifecycle.policy.timeouts import fit_to_group_timeout
+
+    seconds = default_group_timeout_s()
+    if seconds is None:
+        return policy
+    fitted, moved = fit_to_group_timeout(policy, seconds)
+    if moved and rank == 0:
+        log.info("deadlines fitted under the trainer's process-group timeout (%gs): %s", seconds,
+                 ", ".join(f"watchdog.deadlines.{n} {a:g}s -> {b:g}s" for n, (a, b) in moved.items()))
+    return fitted
 
 
 def _warn_fresh_run_dir(policy: Policy, rank: int, given: str | Path | None) -> None:

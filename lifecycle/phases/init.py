@@ -71,20 +71,31 @@ def apply_nccl_env(ctx: RunContext, *, adopted: bool) -> dict[str, str]:
     return env
 
 
+def default_group_timeout_s() -> float | None:
+    """The timeout of the live default process group (a trainer's own, under ``lifecycle.attach``), read from its
+    backend's options; None when no group exists or this torch does not say. Local, no collective."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    if not dist.is_initialized():
+        return None
+    try:
+        device = torch.device("cuda") if str(c10d.get_backend()) == "nccl" else torch.device("cpu")
+        return float(c10d._get_default_group()._get_backend(device).options._timeout.total_seconds())
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+
+
 def _check_adopted_timeout(ctx: RunContext) -> None:
     """A trainer's own default group whose timeout would end a collective before the watchdog names the culprit:
     said once (rank 0), with what to change; the trainer's group is its own to configure."""
-    import torch
-    import torch.distributed.distributed_c10d as c10d
-
     if ctx.rank != 0:
         return
-    try:
-        device = torch.device("cuda") if str(c10d.get_backend()) == "nccl" else torch.device("cpu")
-        seconds = c10d._get_default_group()._get_backend(device).options._timeout.total_seconds()
-    except (AttributeError, RuntimeError, ValueError):  # another torch: nothing to compare
+    seconds = default_group_timeout_s()
+    if seconds is None:  # another torch: nothing to compare
         return
-    why = adopted_issue(ctx.policy, float(seconds))
+    why = adopted_issue(ctx.policy, seconds)
     if why is not None:
         log.warning("timeouts: %s", why)
         ctx.events.instant("timeout_chain", warning=why)

@@ -122,11 +122,34 @@ def issues(policy: Policy, env: Mapping[str, str] | None = None, *, last_save_s:
     return out
 
 
+FITTED = ("warmup", "step", "checkpoint", "eval")
+"""The deadlines that bound a trainer's collectives (what :func:`adopted_issue` holds against its group timeout)."""
+
+
+def fit_to_group_timeout(policy: Policy, group_timeout_s: float) -> tuple[Policy, dict[str, tuple[float, float]]]:
+    """``policy`` with every deadline of :data:`FITTED` that nobody set (no policy file, preset or override names it)
+    lowered to end :func:`collective_slack_s` before a trainer's process-group timeout (``lifecycle.attach`` into a
+    trainer that kept torch's default: gloo 30 min, NCCL 10 min), so the watchdog names the culprit before torch's own
+    timeout fires; and what moved (name -> (before, after)). A deadline that was set stays: a contradiction it makes is
+    :func:`adopted_issue`'s to say. Nothing moves when the timeout leaves no room for the slack."""
+    dl = policy.watchdog.deadlines
+    room = group_timeout_s - collective_slack_s(policy)
+    if room <= 0:
+        return policy, {}
+    moved = {name: (dl.static(name), room) for name in FITTED
+             if name not in dl.model_fields_set and dl.static(name) > room}
+    if not moved:
+        return policy, {}
+    deadlines = dl.model_copy(update={name: after for name, (_, after) in moved.items()})
+    watchdog = policy.watchdog.model_copy(update={"deadlines": deadlines})
+    return policy.model_copy(update={"watchdog": watchdog}), moved
+
+
 def adopted_issue(policy: Policy, group_timeout_s: float) -> str | None:
     """A trainer's own process group (``lifecycle.attach``) whose timeout ends a collective before the watchdog's
     deadline can name the culprit: what to change, or None."""
     dl = policy.watchdog.deadlines
-    longest = max(dl.static(name) for name in ("warmup", "step", "checkpoint", "eval"))
+    longest = max(dl.static(name) for name in FITTED)
     if group_timeout_s >= longest + collective_slack_s(policy):
         return None
     return (f"the trainer's process-group timeout is {group_timeout_s:g}s, shorter than the longest watchdog deadline "

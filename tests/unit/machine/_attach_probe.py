@@ -68,6 +68,19 @@ out["resumed"] = again.start_step
 out["weights_restored"] = bool(torch.equal(fresh.weight, model.weight))
 out["steps_again"] = train(again, fresh, fresh_opt, 5)
 again.close()
+
+# A trainer with its own default group at torch's default timeout (gloo: 30 minutes): the deadlines nobody set (eval
+# here, 1800 s) fit under it, with no warning; the trainer's group stays the trainer's.
+import torch.distributed as dist  # noqa: E402
+import yaml  # noqa: E402
+
+dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{os.environ.pop('PORT2')}")
+adopted = lifecycle.attach(overrides=OVR, run_dir="adopted")
+out["adopted_deadlines"] = yaml.safe_load((adopted.run_dir / "policy.resolved.yaml").read_text())["watchdog"][
+    "deadlines"]
+adopted.close()
+out["adopted_group_kept"] = dist.is_initialized()
+dist.destroy_process_group()
 print(json.dumps(out), flush=True)
 
 # sys.exit(0) inside `with` is a clean close; any other exception takes the failure edge and the process leaves

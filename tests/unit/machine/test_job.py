@@ -36,7 +36,7 @@ def test_import_lifecycle_loads_no_torch_and_every_public_name_resolves() -> Non
 @pytest.mark.distributed
 @pytest.mark.timeout(120)
 def test_caller_mistakes_are_clear_errors_and_a_closed_job_can_be_attached_again(tmp_path: Path) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PORT": str(free_port())}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PORT": str(free_port()), "PORT2": str(free_port())}
     overrides = [*SYNTHETIC, *FAST, f"run.dir={tmp_path / 'run'}", "checkpoint.every_steps=2"]
     proc = subprocess.run([sys.executable, str(PROBE), *overrides], capture_output=True, text=True, timeout=100,
                           env=env, cwd=tmp_path)
@@ -60,6 +60,12 @@ def test_caller_mistakes_are_clear_errors_and_a_closed_job_can_be_attached_again
     assert out["save_unwatched"][0] == "UsageError" and "no model is watched" in out["save_unwatched"][1]
     assert "job.steps() before job.watch()" in out["steps_before_watch"][1]
     assert "not one of lifecycle's own spans" in out["phase_reserved_name"][1]
+    # adopted with torch's default gloo timeout (1800 s): eval (1800 s, set by nobody) fits 34 s under it, the
+    # deadlines FAST set stay, and no "timeouts:" warning says the chain is broken
+    dl = out["adopted_deadlines"]
+    assert dl["eval"] == 1800 - 34 and (dl["step"], dl["checkpoint"], dl["warmup"]) == (20, 30, 20), dl
+    assert out["adopted_group_kept"] is True
+    assert "process-group timeout is" not in proc.stderr
     latest = (tmp_path / "run" / "checkpoints" / "latest").read_text().strip()
     assert latest == "iter_0000005"
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())  # the failed attempt's, by rank 0

@@ -70,3 +70,38 @@ def test_explain_prints_the_chain() -> None:
     assert names.index("deadline step") < names.index("collective timeout") < names.index("scheduler signal lead")
     text = render(info)
     assert "collective timeout" in text and re.search(r"scheduler signal lead +600s  checkpoint.signal_lead_s", text)
+
+
+@settings(max_examples=80, deadline=None)
+@given(timeout=st.floats(min_value=1.0, max_value=20_000.0, allow_nan=False),
+       given_keys=st.sets(st.sampled_from(timeouts.FITTED)), value=SECONDS)
+def test_deadlines_nobody_set_fit_under_a_trainers_timeout_and_set_ones_never_move(
+        timeout: float, given_keys: set[str], value: float) -> None:
+    p = validate({"watchdog": {"deadlines": {k: value for k in given_keys}}, "checkpoint": {"grace_s": 1e6}},
+                 own_loop=True)
+    fitted, moved = timeouts.fit_to_group_timeout(p, timeout)
+    room = timeout - timeouts.collective_slack_s(p)
+    before, after = p.watchdog.deadlines, fitted.watchdog.deadlines
+    for name in timeouts.FITTED:
+        if name in given_keys or room <= 0:
+            assert after.static(name) == before.static(name) and name not in moved
+        else:
+            assert after.static(name) == min(before.static(name), room)
+            assert (name in moved) == (before.static(name) > room)
+    if room > 0 and all(before.static(k) <= room for k in given_keys):
+        assert timeouts.adopted_issue(fitted, timeout) is None  # nothing set contradicts it: no warning
+    elif given_keys and room > 0:
+        assert timeouts.adopted_issue(fitted, timeout) is not None  # an explicit contradiction is still said
+    assert fitted.watchdog.deadlines.init == before.init and fitted.checkpoint == p.checkpoint
+
+
+def test_torch_default_timeouts_fit_the_default_policy_under_attach() -> None:
+    """gloo's default 30 minutes and NCCL's 10: the preset's own deadlines fit; eval (1800 s, set by nobody) moves."""
+    from lifecycle.policy.load import load
+
+    p = load([], own_loop=True).policy
+    for group_timeout in (1800.0, 600.0):
+        fitted, moved = timeouts.fit_to_group_timeout(p, group_timeout)
+        assert timeouts.adopted_issue(p, group_timeout) is not None
+        assert timeouts.adopted_issue(fitted, group_timeout) is None
+        assert set(moved) == {"eval"} and moved["eval"] == (1800.0, group_timeout - 34.0)

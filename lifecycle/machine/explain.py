@@ -16,6 +16,7 @@ from lifecycle.distributed.ranks import fmt_ranks
 from lifecycle.errors import PolicyError
 from lifecycle.jsontypes import JsonDict
 from lifecycle.machine.plan import Plan, WarmTarget, build_plan
+from lifecycle.policy import installed
 from lifecycle.policy.checks import world_issues
 from lifecycle.policy.groupnames import GROUP_NAMES
 from lifecycle.policy.load import Loaded, sha256
@@ -75,6 +76,7 @@ def group_summary(layout: Layout, rank: int) -> JsonDict:
         "absent": [n for n in GROUP_NAMES if n not in groups],
         "communicators_per_rank": layout.communicators_of(rank),
         "distinct_groups": layout.count_distinct_groups(),
+        "megatron_core": installed.version(installed.MEGATRON),
     }
 
 
@@ -133,7 +135,8 @@ def render(info: JsonDict) -> str:
         lay = info["layout"]
         lines += ["", f"layout  world size {info['world_size']}, rank {info['rank']}: "
                       f"{lay['distinct_groups']} distinct groups, {lay['communicators_per_rank']} "
-                      f"communicators on this rank"]
+                      f"communicators on this rank (as megatron-core "
+                      f"{lay.get('megatron_core') or 'newest, not installed here,'} makes them)"]
         large = lay.get("large_groups", {})
         for name in GROUP_NAMES:
             if name in lay["groups"]:

@@ -10,12 +10,12 @@ import os
 import shutil
 import subprocess
 import sys
+import tomllib
 import venv
 import zipfile
 from pathlib import Path
 
 import pytest
-import tomllib
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
@@ -55,6 +55,7 @@ def test_wheel_ships_the_presets(tmp_path: Path, wheel: Path) -> None:
 
 def test_the_example_pack_requires_this_projects_own_distribution() -> None:
     import tomllib
+
     from packaging.requirements import Requirement
 
     ours = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
@@ -135,15 +136,21 @@ NGC_25_01, NGC_25_03 = "2.6.0a0+ecf3bae40a.nv25.01", "2.7.0a0+7c8ec84dab.nv25.03
     pytest.param("2.13.0+cu130", False, "0.16.1", None, id="2.13.0+cu130"),
     pytest.param(NGC_25_03, False, "0.16.1", None, id="container-2.7.0a0"),
     # A pre-release of 2.6.0 that megatron-core 0.15.3+ refuses (2.6.0a0 is below their 2.6.0). Held by a
-    # constraint, pip takes megatron-core 0.15.2 and keeps it; not held, megatron-core 0.16.1 has it replaced.
-    pytest.param(NGC_25_01, True, "0.15.2", None, id="container-2.6.0a0-held"),
+    # constraint, pip refuses the install: megatron-core 0.15.2 would take it, but this project's floor is the oldest
+    # tested megatron-core, 0.16.1; not held, megatron-core 0.16.1 has it replaced.
+    pytest.param(NGC_25_01, True, None, None, id="container-2.6.0a0-held"),
     pytest.param(NGC_25_01, False, "0.16.1", "2.14.0", id="container-2.6.0a0-not-held"),
     pytest.param("2.5.1+cu124", False, "0.16.1", "2.14.0", id="2.5.1-unsupported"),
 ])
 def test_what_pip_plans_beside_a_gpu_torch(tmp_path: Path, wheel: Path, index: Path, torch: str, held: bool,
-                                          core: str, new_torch: str | None) -> None:
-    """A supported torch stays (no torch, no nvidia-* in the plan); an unsupported one is replaced."""
+                                          core: str | None, new_torch: str | None) -> None:
+    """A supported torch stays (no torch, no nvidia-* in the plan); an unsupported one is replaced, or, held, refused."""
     proc = _pip_plan(tmp_path, wheel, index, torch, held=held)
+    if core is None:
+        assert proc.returncode != 0 and "ResolutionImpossible" in proc.stderr, proc.stdout
+        assert "megatron-core 0.16.1 depends on torch>=2.6.0" in proc.stdout, proc.stdout
+        assert "megatron_core-0.15.2" not in proc.stdout, "pip never looks below the project's megatron-core floor"
+        return
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads((tmp_path / "plan.json").read_text())
     plan = {item["metadata"]["name"]: item["metadata"]["version"] for item in report["install"]}

@@ -45,13 +45,17 @@ def save_default() -> str | None:
 
 @functools.cache
 def nvrx_unusable() -> str | None:
-    """Why megatron-core cannot plan with nvidia-resiliency-ext here (None when it can): megatron-core's own check."""
+    """Why megatron-core cannot plan with nvidia-resiliency-ext here (None when it can): a version megatron-core 0.18+
+    accepts (:data:`~lifecycle.policy.installed.NVRX_MIN`, held for 0.17 too: its API is the one megatron-core calls),
+    then megatron-core's own import of NVRx's async modules."""
+    have = installed.version(installed.NVRX)
+    if have is not None and installed.parse(have) < installed.NVRX_MIN:
+        return f"{installed.NVRX} {have} is older than {installed.fmt(installed.NVRX_MIN)}"
     try:
         from megatron.core.dist_checkpointing.strategies.torch import get_async_strategy
 
         get_async_strategy("nvrx")
     except (ImportError, AssertionError, AttributeError, TypeError) as exc:
-        have = installed.version(installed.NVRX)
         return (f"{installed.NVRX} {have} is not usable by megatron-core {installed.version(installed.MEGATRON)} "
                 f"({type(exc).__name__}: {exc})" if have else f"{installed.NVRX} is not installed")
     return None

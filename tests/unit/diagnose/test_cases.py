@@ -82,3 +82,17 @@ def test_dumps_alone_and_logs_alone_of_one_job() -> None:
 def test_the_same_inputs_give_the_same_verdict() -> None:
     case = str(CASES / "plain_other_group_first_fr")
     assert diagnose([case]).as_json() == diagnose([case, case]).as_json()
+
+
+@pytest.mark.parametrize(("desc", "dim"), [
+    ("EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP", "tp_ep_pp"),
+    # megatron-core 0.19's groups: the expert optimizer's copy of tp_ep_pp, and the one-rank GTP groups (no dimension)
+    ("EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP_WITH_EGTP", "tp_ep_pp_egtp"),
+    ("GTP_WEIGHT_REMAT_GROUP", None), ("EXPERT_GTP_WEIGHT_REMAT_GROUP", None),
+    ("DATA_PARALLEL_GROUP_WITH_CP_AG", "dp_cp"), ("EXPERT_DATA_PARALLEL_GROUP_GLOO", "edp"),
+])
+def test_megatron_group_descriptions_map_to_their_dimension(desc: str, dim: str | None) -> None:
+    from lifecycle.diagnose.prevent import EXPERT, dimension
+
+    assert dimension(desc, None, None) == dim
+    assert dim is None or (dim in EXPERT) == desc.startswith("EXPERT")

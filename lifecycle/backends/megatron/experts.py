@@ -49,11 +49,12 @@ def skip_empty_experts() -> type:
 def with_experts(spec: Any, experts_cls: type) -> Any:
     """``spec`` — a transformer layer's spec, or the MoE layer's own — with ``experts_cls`` as its experts module.
 
-    megatron-core describes the MoE layer in two ways: up to 0.18 a ``ModuleSpec`` whose ``submodules.experts`` is a
-    ``ModuleSpec`` (replaced in place); from 0.19 ``functools.partial(MoELayer, submodules=MoESubmodules(experts=
-    functools.partial(SequentialMLP, submodules=...)))`` (a new partial, the same arguments). Anything else is a
-    :class:`~lifecycle.errors.UsageError` that says what was found. Returns the spec to build (the same object for a
-    layer spec).
+    megatron-core describes the MoE layer in several ways: up to 0.16 a ``ModuleSpec`` whose ``submodules.experts`` is
+    a ``ModuleSpec`` (its module replaced in place); in 0.17 and 0.18 the experts are a ``functools.partial`` of
+    ``SequentialMLP`` inside that ``ModuleSpec``; from 0.19 the MoE layer itself is ``functools.partial(MoELayer,
+    submodules=MoESubmodules(experts=functools.partial(SequentialMLP, submodules=...)))``. A partial is replaced by a
+    new one with the same arguments. Anything else is a :class:`~lifecycle.errors.UsageError` that says what was
+    found. Returns the spec to build (the same object for a layer spec).
     """
     layer = getattr(spec, "submodules", None)
     if layer is not None and hasattr(layer, "mlp"):  # a transformer layer: its MLP is the MoE layer
@@ -61,23 +62,23 @@ def with_experts(spec: Any, experts_cls: type) -> Any:
         return spec
     if isinstance(spec, functools.partial):
         subs: Any = spec.keywords.get("submodules")
-        experts = getattr(subs, "experts", None)
-        if experts is not None:
-            if isinstance(experts, functools.partial):
-                experts = functools.partial(experts_cls, *experts.args, **experts.keywords)
-            else:
-                experts = _module_spec_with(experts, experts_cls)
+        if getattr(subs, "experts", None) is not None:
+            experts = _experts_with(subs.experts, experts_cls)
             return functools.partial(spec.func, *spec.args,
                                      **{**spec.keywords, "submodules": dataclasses.replace(subs, experts=experts)})
     elif layer is not None and getattr(layer, "experts", None) is not None:
-        _module_spec_with(layer.experts, experts_cls)
+        layer.experts = _experts_with(layer.experts, experts_cls)
         return spec
     raise UsageError(f"this megatron-core's MoE layer spec has no experts module to replace (found "
                      f"{type(spec).__name__}: {str(spec)[:120]}); train.options.experts_skip_empty needs "
                      f"megatron-core's local MoE spec (SequentialMLP experts)")
 
 
-def _module_spec_with(experts: Any, experts_cls: type) -> Any:
+def _experts_with(experts: Any, experts_cls: type) -> Any:
+    """The experts' spec built as ``experts_cls``: a new partial with the same arguments, or the ModuleSpec's module
+    replaced."""
+    if isinstance(experts, functools.partial):
+        return functools.partial(experts_cls, *experts.args, **experts.keywords)
     if not hasattr(experts, "module"):
         raise UsageError(f"the MoE experts spec {type(experts).__name__} has no module to replace")
     experts.module = experts_cls

@@ -24,6 +24,8 @@ from lifecycle.jsontypes import Json, JsonDict
 
 VERSION = re.compile(r"^2\.(\d{1,3})$")
 RANK_LIST = re.compile(r"^\[\s*\d*(?:\s*,\s*\d+)*\s*\]$")
+PEER = re.compile(r"\s*(\d{1,7})\s*(?:->|<-)\s*(\d{1,7})\s*$")
+"""NCCL names a point-to-point op with its ends as group ranks: ``nccl:send 0->1``, ``nccl:recv 1<-0``."""
 FILE_RANK = re.compile(r"(\d{1,7})(?:\.(?:json|pkl|pickle|bin))?$")
 MAX_ENTRIES = 200_000
 MAX_FRAMES = 24
@@ -66,7 +68,8 @@ def summarize(value: JsonDict, where: str, path: Path) -> Dump:
     ops = _entries(value.get("entries"), path)
     rank, rank_from = _rank(members, path)
     dump = Dump(rank, where, value["version"], rank_from, ops, descs=descs, members=members,
-                world=len(everyone) if everyone else None, wrapped=bool(ops) and ops[0].record > 0)
+                world=len(everyone) if everyone else None, wrapped=bool(ops) and ops[0].record > 0,
+                states=any(op.state in ("started", "completed") for op in ops))
     for op in ops:
         if not op.p2p:
             dump.enq[op.group] = max(dump.enq.get(op.group, 0), op.seq)
@@ -129,8 +132,12 @@ def _entry(e: Json) -> DumpOp | None:
     sizes = sys.intern(str(e.get("input_sizes"))[:120]) if isinstance(e.get("input_sizes"), list) else ""
     desc = sys.intern(pg[1][:200]) if len(pg) > 1 and isinstance(pg[1], str) else ""
     p2p_seq = e.get("p2p_seq_id")
+    state = e.get("state")
+    peer = PEER.search(name) if p2p else None
+    op = sys.intern(PEER.sub("", name.split(":")[-1])[:80].strip())
     return DumpOp(sys.intern(pg[0][:200]), (p2p_seq if isinstance(p2p_seq, int) else 0) if p2p else seq,
-                  sys.intern(name.split(":")[-1][:80]), sizes, int(record), "", p2p, desc)
+                  op, sizes, int(record), "", p2p, desc, sys.intern(state[:20]) if isinstance(state, str) else "",
+                  int(peer.group(2)) if peer else None)  # send a->b, recv a<-b: a is the rank, b its peer
 
 
 def _frames(frames: Json) -> str:

@@ -69,6 +69,11 @@ class DumpOp:
     frames: str
     p2p: bool = False
     desc: str = ""
+    state: str = ""
+    """The recorder's state of the op: ``completed`` proves it finished (NCCL); gloo records every op as
+    ``scheduled``, which proves only that the rank entered it."""
+    peer: int | None = None
+    """A point-to-point op's peer as a rank of its group, when the record names it (NCCL's ``send 0->1``)."""
 
 
 @dataclass
@@ -86,6 +91,9 @@ class Dump:
     world: int | None = None
     wrapped: bool = False
     """The recorder's ring buffer overwrote older entries: a group with no entry left is of unknown progress."""
+    states: bool = False
+    """The dump records completion (NCCL's ``completed`` state): a later record does not prove an op finished
+    (NCCL ops are asynchronous), only its own state does. False for gloo, whose calls return when the op is done."""
 
 
 @dataclass
@@ -106,6 +114,9 @@ class Evidence:
     used_lines: int = 0
     unattributed: int = 0
     notes: list[str] = field(default_factory=list)
+    layout: dict[str, list[list[int]]] | None = None
+    """The job's layout as the user gave it (``diagnose -w N -o ...``): dimension -> its groups' ranks; it proves a
+    group's membership where the dumps do not record it (gloo)."""
 
     def add(self, fact: Fact) -> None:
         self.facts.append(fact)

@@ -59,7 +59,9 @@ def _hosts(ev: Evidence, ranks: list[int]) -> list[str]:
 def diagnose(paths: list[str], *, layout: Layout | None = None) -> Result:
     """The verdict on the files and folders in ``paths`` (RunDirError naming a file that cannot be used)."""
     inputs, skipped = files.collect(paths)
-    ev = Evidence(files=len(inputs), skipped_files=skipped)
+    ev = Evidence(files=len(inputs), skipped_files=skipped, layout=layout)
+    if layout and layout.get("world"):
+        ev.see_world(len(layout["world"][0]))
     reader = logs.Reader(ev)
     for item in inputs:  # logs first: torchrun's summary maps error files to ranks
         if item.kind == "log":

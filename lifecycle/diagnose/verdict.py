@@ -246,7 +246,27 @@ def _missing(ev: Evidence, g: waits.Graph, v: Verdict) -> None:
                      "(the node's torchrun console, or [rankN]: prefixes)")
     if v.cause == "diverged" and not v.culprits:
         needs.append("dumps of more members of the group: a strict majority of ranks shows the order that was meant")
+    needs += _unresolved(ev, g)
+    if not ev.world:
+        needs.append("the world size (torchrun's --log-dir tree, or diagnose -w N with the job's -o layout)")
     v.missing = needs
+
+
+def _unresolved(ev: Evidence, g: waits.Graph) -> list[str]:
+    """What would prove where the unresolved ranks wait: their groups' other members' dumps, or the membership."""
+    by_group: dict[str, list[int]] = {}
+    for rank, groups in sorted(g.unresolved.items()):
+        for group in groups:
+            by_group.setdefault(group, []).append(rank)
+    out = []
+    for group, ranks in sorted(by_group.items(), key=lambda kv: -len(kv[1]))[:4]:
+        desc = f" ({ev.descs[group]})" if ev.descs.get(group) else ""
+        seen = g.members.get(group, [])
+        out.append(f"who else is in group {group}{desc} and how far they got: rank(s) {_short(ranks)} entered an op "
+                   f"there that no member is proven to have left, and only rank(s) {_short(seen)} of it are known "
+                   f"(dumps of every rank, also on SIGTERM: a stalled rank never reaches its own exception handler; "
+                   f"NCCL's dumps record each group's members; on gloo diagnose -w N -o ... gives them)")
+    return out
 
 
 def _short(ranks: list[int]) -> str:

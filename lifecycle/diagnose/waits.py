@@ -1,16 +1,24 @@
-"""Who waits for whom, from each rank's own count of the ops it entered on each group.
+"""Who waits for whom, from what each rank's own evidence proves.
 
 A rank's position on a group is the highest collective sequence number it entered there (``enq``): from its Flight
-Recorder dump, or from ProcessGroupNCCL's ``last enqueued work`` lines. A rank waits in op ``S`` of group ``G`` when
-that is the last op it entered (its dump's last entry, or the op its watchdog timed out in). It waits *for* the
-members of ``G`` whose own position there is known and below ``S``: they never entered the op. A rank is named only
-from its own position: a member whose position is unknown is never assumed behind.
+Recorder dump, or from ProcessGroupNCCL's ``last enqueued work`` lines. A record proves that the rank *entered* an
+op, never that it *left* it: gloo records every op as ``scheduled``. An op is proven finished only by its recorded
+``completed`` state (NCCL), or, on gloo, whose collective calls return when the op is done, by a later record of the
+same rank. A rank waits *for* the members of a group whose own position there is known and below the op it has
+not finished: they never entered it.
 
-A rank others wait for that waits for nobody is a root (:attr:`Graph.roots`). Ranks that wait for each other form a
-cycle: their orders of collectives differ (a skipped op, another group first); the one whose order departs from
-what a strict majority of ranks did at the same place is the one that diverged (:func:`deviators`). Ops with the
-same sequence number on one group but a different name or size on some members are a mismatch
-(:func:`mismatches`). Pure Python.
+A rank is *free* when every op it entered can finish: each is recorded completed, left by a later gloo record, or
+entered by every member of its group, with that membership proven (the dump's ``pg_config``, lifecycle's hang
+report, the default group of a known world, or every rank's complete dump where an op of the group is proven
+finished). Point-to-point ops finish when the peer entered the matching op (the k-th send to a peer matches the
+peer's k-th receive from the rank), the peer known from the record (NCCL's ``send 0->1``) or a proven group of two.
+Anything else leaves the rank *unresolved* (:attr:`Graph.unresolved`): it may wait for a member nobody heard from.
+
+Only a free rank that others wait for is a root (:attr:`Graph.roots`): every rank that waits for it waits for a
+rank that stopped issuing collectives. Ranks that wait for each other form a cycle: their orders of collectives
+differ (a skipped op, another group first); the one whose order departs from what a strict majority of ranks did at
+the same place is the one that diverged (:func:`deviators`). Ops with the same sequence number on one group but a
+different name or size on some members are a mismatch (:func:`mismatches`). Pure Python.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from lifecycle.diagnose import facts as F
+from lifecycle.diagnose.prevent import dimension
 from lifecycle.diagnose.facts import Evidence
 
 
@@ -40,6 +49,17 @@ class Graph:
     waits: dict[int, Wait]
     enq: dict[int, dict[str, int]]
     members: dict[str, list[int]]
+    free: set[int] = field(default_factory=set)
+    """Ranks proven to wait for nobody (module docstring)."""
+    unresolved: dict[int, list[str]] = field(default_factory=dict)
+    """rank -> the groups where it entered an op that nothing proves can finish (membership or a member's
+    progress unknown)."""
+    proven: dict[str, list[int]] = field(default_factory=dict)
+    """group -> its members, where the evidence proves the whole membership."""
+    finished: dict[str, int] = field(default_factory=dict)
+    """group -> the highest op some rank is proven to have left there (:func:`finished`)."""
+    recorded: set[str] = field(default_factory=set)
+    """Groups whose members are recorded in group-rank order (``pg_config``, a hang report, the default group)."""
 
     @property
     def blocked(self) -> set[int]:
@@ -51,7 +71,12 @@ class Graph:
 
     @property
     def roots(self) -> list[int]:
-        return sorted(self.named - self.blocked)
+        return sorted(r for r in self.named if r in self.free)
+
+    @property
+    def suspects(self) -> list[int]:
+        """Ranks others wait for that are not proven free (they may themselves wait for a rank not heard from)."""
+        return sorted(r for r in self.named if r not in self.free)
 
     def first_wait(self, culprits: list[int]) -> Wait | None:
         """The wait that shows the first op of the culprits' own program order they never entered.
@@ -112,44 +137,194 @@ def members(ev: Evidence, enq: dict[int, dict[str, int]]) -> dict[str, list[int]
     return {g: sorted(r) for g, r in out.items()}
 
 
-def _known(ev: Evidence, rank: int, group: str, enq: dict[int, dict[str, int]], members: list[int]) -> int | None:
+def finished(ev: Evidence) -> dict[str, int]:
+    """group -> the highest sequence number some rank is proven to have left there (recorded ``completed``, or on
+    gloo a later record of the same rank): every member entered that op, and all before it."""
+    out: dict[str, int] = {}
+    for dump in ev.dumps.values():
+        last = dump.ops[-1].record if dump.ops else None
+        for op in dump.ops:
+            if not op.p2p and (op.state == "completed" if dump.states else op.record != last):
+                out[op.group] = max(out.get(op.group, 0), op.seq)
+    return out
+
+
+def proven_members(ev: Evidence, seen: dict[str, list[int]], done: dict[str, int]) -> dict[str, list[int]]:
+    """group -> members, where the whole membership is proven: recorded (``pg_config``, a hang report), the default
+    group of a known world, or — every rank of the world dumped — the ranks seen on a group one of whose ops is
+    proven finished (then every member entered it, and a complete dump of a member shows it)."""
+    out = {g: list(r) for g, r in ev.members.items()}
+    if ev.world:
+        out[F.DEFAULT] = list(range(ev.world))
+    for g, ranks in seen.items():
+        if g not in out and (mine := _from_layout(ev, g, ranks)) is not None:
+            out[g] = mine
+    if not ev.world or any(r not in ev.dumps for r in range(ev.world)):
+        return out
+    for g in set(done) - set(out):
+        ranks = seen.get(g, [])
+        if all(not ev.dumps[r].wrapped for r in range(ev.world) if r not in ranks):
+            out[g] = ranks
+    return out
+
+
+def _from_layout(ev: Evidence, group: str, ranks: list[int]) -> list[int] | None:
+    """The group's members from the layout the user gave: the one group of its dimension that holds every rank
+    seen on it (None when the layout, the dimension or that group is not known)."""
+    if not ev.layout or not ranks:
+        return None
+    dim = dimension(ev.descs.get(group), None, None)
+    holding = [m for m in ev.layout.get(dim or "", []) if set(ranks) <= set(m)]
+    return sorted(holding[0]) if len(holding) == 1 else None
+
+
+def _known(ev: Evidence, rank: int, group: str, enq: dict[int, dict[str, int]], proven: list[int] | None
+           ) -> int | None:
     mine = enq.get(rank)
     if mine is None:
         return None
     if group in mine:
         return mine[group]
     dump = ev.dumps.get(rank)
-    if dump is not None and not dump.wrapped and rank in members:
+    if dump is not None and not dump.wrapped and proven is not None and rank in proven:
         return 0  # a complete dump of a member with no op on the group: it never entered one
     return None
 
 
 def graph(ev: Evidence) -> Graph:
     enq = positions(ev)
-    groups = members(ev, enq)
-    waits = {w.rank: w for w in _waits(ev)}
-    for w in waits.values():
-        ranks = groups.get(w.group, [])
-        w.missing = [m for m in ranks if m != w.rank and (k := _known(ev, m, w.group, enq, ranks)) is not None
-                     and k < w.seq]
-    return Graph(waits, enq, groups)
-
-
-def _waits(ev: Evidence) -> list[Wait]:
-    out: dict[int, Wait] = {}
+    seen = members(ev, enq)
+    done = finished(ev)
+    proven = proven_members(ev, seen, done)
+    recorded = set(ev.members) | ({F.DEFAULT} if ev.world else set())
+    g = Graph({}, enq, seen, proven=proven, recorded=recorded, finished=done)
     for rank, dump in sorted(ev.dumps.items()):
-        ops = [o for o in dump.ops if not o.p2p]
-        if ops:
-            last = ops[-1]
-            out[rank] = Wait(rank, last.group, last.seq, last.op, dump.where, last.frames, record=last.record)
-    for fact in ev.facts:
-        if fact.rank is None or fact.rank in ev.dumps or fact.group is None:
+        _judge_dump(ev, g, rank, dump)
+    for rank in sorted({f.rank for f in ev.facts if f.rank is not None} - set(ev.dumps)):
+        _judge_log(ev, g, rank)
+    return g
+
+
+def _behind(ev: Evidence, g: Graph, rank: int, group: str, seq: int) -> list[int]:
+    """Members of ``group`` whose own position there is known and below ``seq``."""
+    ranks = sorted(set(g.members.get(group, [])) | set(g.proven.get(group, [])))
+    return [m for m in ranks if m != rank and (k := _known(ev, m, group, g.enq, g.proven.get(group))) is not None
+            and k < seq]
+
+
+def _can_finish(ev: Evidence, g: Graph, rank: int, group: str, seq: int) -> bool:
+    """Whether op ``seq`` of ``group`` can finish: some rank left it or a later one, or every member entered it."""
+    if g.finished.get(group, 0) >= seq:
+        return True
+    mem = g.proven.get(group)
+    return mem is not None and all(m == rank or ((k := _known(ev, m, group, g.enq, mem)) is not None and k >= seq)
+                                   for m in mem)
+
+
+def _judge_dump(ev: Evidence, g: Graph, rank: int, dump: F.Dump) -> None:
+    last_on: dict[str, F.DumpOp] = {}
+    for op in dump.ops:
+        if not op.p2p:
+            last_on[op.group] = op
+    final = dump.ops[-1].record if dump.ops else None
+    waiting: list[tuple[F.DumpOp, list[int]]] = []
+    unknown: list[str] = []
+    for group, op in last_on.items():
+        left = op.state == "completed" if dump.states else op.record != final
+        behind = _behind(ev, g, rank, group, op.seq)
+        if behind:
+            (unknown.append(group) if left else waiting.append((op, behind)))  # left: the evidence disagrees
+        elif not left and not _can_finish(ev, g, rank, group, op.seq):
+            unknown.append(group)
+    for op, peer in _open_p2p(ev, g, rank, dump):
+        if peer is None:
+            unknown.append(op.group)
+        else:
+            waiting.append((op, [peer]))
+    if waiting:
+        op, _ = min(waiting, key=lambda pair: pair[0].record)
+        missing = sorted({m for _, b in waiting for m in b})
+        g.waits[rank] = Wait(rank, op.group, op.seq, op.op, dump.where, op.frames, missing, record=op.record)
+    elif dump.ops:
+        op = dump.ops[-1]
+        g.waits[rank] = Wait(rank, op.group, op.seq, op.op, dump.where, op.frames, record=op.record)
+    if unknown:
+        g.unresolved[rank] = sorted(set(unknown))
+    elif not waiting:
+        g.free.add(rank)
+
+
+def _open_p2p(ev: Evidence, g: Graph, rank: int, dump: F.Dump) -> list[tuple[F.DumpOp, int | None]]:
+    """The rank's point-to-point ops not proven finished, each with the peer that never entered the matching op
+    (None: the peer or its progress is not known). The k-th send to a peer matches the peer's k-th receive."""
+    out: list[tuple[F.DumpOp, int | None]] = []
+    sent: dict[tuple[str, int, bool], tuple[int, F.DumpOp]] = {}
+    # gloo: a collective call returns when it is done, so a rank past a later collective left every earlier batch
+    # of sends and receives (they are waited for together); NCCL: only the recorded state tells
+    past = -1 if dump.states else max((op.record for op in dump.ops if not op.p2p), default=-1)
+    for op in dump.ops:
+        if not op.p2p or op.record < past or (dump.states and op.state == "completed"):
+            continue
+        peer = _peer_of(g, rank, op)
+        if peer is None:
+            out.append((op, None))
+            continue
+        key = (op.group, peer, "send" in op.op)
+        sent[key] = (_count(dump, op.group, rank, peer, "send" in op.op, g, upto=op.record), op)
+    for (group, peer, is_send), (mine, op) in sent.items():
+        other = ev.dumps.get(peer)
+        if other is None or other.wrapped or dump.wrapped:
+            out.append((op, None))
+            continue
+        theirs = _count(other, group, peer, rank, not is_send, g, upto=None)
+        if theirs < mine:
+            out.append((op, peer))
+    return out
+
+
+def _peer_of(g: Graph, rank: int, op: F.DumpOp) -> int | None:
+    mem = g.proven.get(op.group) if op.group in g.recorded else None
+    if mem is None:
+        return None
+    if op.peer is not None:
+        return mem[op.peer] if op.peer < len(mem) else None
+    others = [m for m in mem if m != rank]
+    return others[0] if len(mem) == 2 and len(others) == 1 else None
+
+
+def _count(dump: F.Dump, group: str, rank: int, peer: int, sends: bool, g: Graph, upto: int | None) -> int:
+    n = 0
+    for op in dump.ops:
+        if upto is not None and op.record > upto:
+            break
+        if op.p2p and op.group == group and ("send" in op.op) == sends and _peer_of(g, rank, op) == peer:
+            n += 1
+    return n
+
+
+def _judge_log(ev: Evidence, g: Graph, rank: int) -> None:
+    """A rank known from log lines only: it waits where its watchdog timed out or its count of completed ops is
+    behind its count of entered ones; it is free when every count it logged is complete and nothing timed out."""
+    mine = [f for f in ev.facts if f.rank == rank]
+    wait: Wait | None = None
+    for fact in mine:
+        if fact.group is None:
             continue
         if fact.kind in (F.PROGRESS, F.TIMEOUT) and fact.seq is not None:
-            out[fact.rank] = Wait(fact.rank, fact.group, fact.seq, fact.op, fact.where)
-        elif fact.kind == F.PROGRESS and fact.enq is not None and fact.done is not None and fact.done < fact.enq:
-            out.setdefault(fact.rank, Wait(fact.rank, fact.group, fact.done + 1, None, fact.where))
-    return list(out.values())
+            wait = Wait(rank, fact.group, fact.seq, fact.op, fact.where)
+        elif (fact.kind == F.PROGRESS and fact.enq is not None and fact.done is not None and fact.done < fact.enq
+              and wait is None):
+            wait = Wait(rank, fact.group, fact.done + 1, None, fact.where)
+    if wait is not None:
+        wait.missing = _behind(ev, g, rank, wait.group, wait.seq)
+        g.waits[rank] = wait
+        if not wait.missing:
+            g.unresolved[rank] = [wait.group]
+        return
+    progress = [f for f in mine if f.kind == F.PROGRESS and f.enq is not None]
+    failed = any(f.kind in (F.TIMEOUT, F.CONSEQUENCE) for f in mine)
+    if progress and not failed and all(f.done is not None and f.done >= f.enq for f in progress):
+        g.free.add(rank)
 
 
 def role(ev: Evidence, group: str) -> str:

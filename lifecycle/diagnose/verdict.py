@@ -247,6 +247,11 @@ def _missing(ev: Evidence, g: waits.Graph, v: Verdict) -> None:
     if v.cause == "diverged" and not v.culprits:
         needs.append("dumps of more members of the group: a strict majority of ranks shows the order that was meant")
     needs += _unresolved(ev, g)
+    quiet = [r for r in g.named if r not in g.free and r not in g.blocked and r not in g.unresolved]
+    if quiet and not v.culprits:
+        v.suspects = v.suspects or sorted(quiet)[:64]
+        needs.append(f"Flight Recorder dumps of rank(s) {_short(sorted(quiet))}: others wait for them, and their logs "
+                     f"do not prove they wait for nobody (a line speaks of one group; they may wait in another)")
     if not ev.world:
         needs.append("the world size (torchrun's --log-dir tree, or diagnose -w N with the job's -o layout)")
     v.missing = needs

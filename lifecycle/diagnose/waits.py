@@ -304,7 +304,8 @@ def _count(dump: F.Dump, group: str, rank: int, peer: int, sends: bool, g: Graph
 
 def _judge_log(ev: Evidence, g: Graph, rank: int) -> None:
     """A rank known from log lines only: it waits where its watchdog timed out or its count of completed ops is
-    behind its count of entered ones; it is free when every count it logged is complete and nothing timed out."""
+    behind its count of entered ones. It is never proven free: a line speaks of one group (the heartbeat monitor's of
+    the default group), and the rank may wait in another whose watchdog had not fired yet when the job ended."""
     mine = [f for f in ev.facts if f.rank == rank]
     wait: Wait | None = None
     for fact in mine:
@@ -315,16 +316,13 @@ def _judge_log(ev: Evidence, g: Graph, rank: int) -> None:
         elif (fact.kind == F.PROGRESS and fact.enq is not None and fact.done is not None and fact.done < fact.enq
               and wait is None):
             wait = Wait(rank, fact.group, fact.done + 1, None, fact.where)
-    if wait is not None:
-        wait.missing = _behind(ev, g, rank, wait.group, wait.seq)
-        g.waits[rank] = wait
-        if not wait.missing:
-            g.unresolved[rank] = [wait.group]
+    if wait is None:
         return
-    progress = [f for f in mine if f.kind == F.PROGRESS and f.enq is not None]
-    failed = any(f.kind in (F.TIMEOUT, F.CONSEQUENCE) for f in mine)
-    if progress and not failed and all(f.done is not None and f.done >= f.enq for f in progress):
-        g.free.add(rank)
+    p2p = (wait.op or "").lower() in ("send", "recv", "recvanysource")  # its SeqNum counts point-to-point ops
+    wait.missing = [] if p2p else _behind(ev, g, rank, wait.group, wait.seq)
+    g.waits[rank] = wait
+    if not wait.missing:
+        g.unresolved[rank] = [wait.group]
 
 
 def role(ev: Evidence, group: str) -> str:

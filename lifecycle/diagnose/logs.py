@@ -57,7 +57,8 @@ class Reader:
                 if offset is not None:
                     self.ev.present.setdefault(local + offset, where)
         for _, fact, pid in self.exits:
-            fact.kind = F.TERMINATED if pid in self.agent_pids or fact.detail.endswith("SIGTERM") else fact.kind
+            sigterm = fact.detail.endswith(("SIGTERM", "(SIGTERM)", "(signal 15)"))  # torchrun's own closing signal
+            fact.kind = F.TERMINATED if pid in self.agent_pids or sigterm else fact.kind
             self.ev.add(fact)
 
     def _offset(self, scope: str) -> int | None:

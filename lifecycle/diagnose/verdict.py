@@ -8,8 +8,9 @@ naming it) says, never by elimination — a rank nobody heard from is *missing e
    connection, an aborted group, the launcher's SIGTERM), or died by a signal the launcher did not send.
 3. Ranks PyTorch itself named: its desync report, a monitored barrier, the store key of a rank that never came.
 4. The wait graph (:mod:`waits`): ranks others wait for that wait for nobody ("never entered" the op).
-5. Ranks that wait for each other (a cycle): the one whose order of collectives departs from the majority's
-   ("diverged"); ops of one sequence number that differ on a strict minority of members ("diverged").
+5. Ranks that wait for each other (a cycle): "diverged", the cycle's ranks as suspects (an order of collectives is
+   no proof of who departed from it); ops of one sequence number that differ on a strict minority of a group's
+   members name that minority ("diverged").
 6. Everyone entered and nobody finished, or a network error names both ends of a link: no rank is named
    ("entered, not finished" / "network link"), the hosts are.
 Otherwise culprits is empty and ``missing`` says what would settle it. Pure Python.
@@ -83,9 +84,10 @@ def first_exceptions(ev: Evidence) -> dict[int, Fact]:
 def _crashed(ev: Evidence, g: waits.Graph) -> Verdict | None:
     first = first_exceptions(ev)
     crashed = {r: f for r, f in first.items() if f.kind == F.CRASH}
+    waited = {f.rank for f in ev.facts if f.kind == F.TIMEOUT}
     for f in ev.of(F.KILLED):
         exc = first.get(f.rank) if f.rank is not None else None
-        if f.rank is None or (exc is not None and exc.kind == F.CONSEQUENCE):
+        if f.rank is None or (exc is not None and exc.kind == F.CONSEQUENCE) or f.rank in waited:
             continue  # it died after a peer failed (NCCL's watchdog ends a rank with SIGABRT after a timeout)
         crashed.setdefault(f.rank, f)
     if not crashed:
@@ -149,11 +151,13 @@ def _cycle(ev: Evidence, g: waits.Graph) -> Verdict | None:
     cycle = g.cycle()
     if not cycle:
         return None
-    odd = waits.deviators(ev, cycle)
-    w = g.waits[odd[0] if odd else cycle[0]]
-    v = Verdict(odd, "diverged", w.group, w.seq, w.op, suspects=[] if odd else cycle,
-                detail=f"ranks {cycle} wait for each other: their orders of collectives differ" +
-                (f"; rank(s) {odd} departed from the order the majority of ranks ran" if odd else ""))
+    m = waits.mismatches(ev)
+    if m is not None and m[2] and set(m[2]) <= set(cycle):  # one op differs on a strict minority of its group
+        return _mismatch(ev, g)
+    w = g.waits[cycle[0]]
+    v = Verdict([], "diverged", w.group, w.seq, w.op, suspects=cycle,
+                detail=f"ranks {_short(cycle)} wait for each other: their orders of collectives differ (a skipped op, "
+                       f"another group first); which of them departed is not proven by their dumps")
     v.cite(*(g.waits[r].where for r in cycle))
     return v
 

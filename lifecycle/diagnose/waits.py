@@ -16,9 +16,10 @@ Anything else leaves the rank *unresolved* (:attr:`Graph.unresolved`): it may wa
 
 Only a free rank that others wait for is a root (:attr:`Graph.roots`): every rank that waits for it waits for a
 rank that stopped issuing collectives. Ranks that wait for each other form a cycle: their orders of collectives
-differ (a skipped op, another group first); the one whose order departs from what a strict majority of ranks did at
-the same place is the one that diverged (:func:`deviators`). Ops with the same sequence number on one group but a
-different name or size on some members are a mismatch (:func:`mismatches`). Pure Python.
+differ (a skipped op, another group first). Which of them departed is not proven by a vote over their programs
+(ranks in other groups or stages run other programs, and a history shared so far does not make two programs the
+same), so a cycle names suspects, not culprits. Ops with the same sequence number on one group but a different name
+or size on a strict minority of its members are a mismatch (:func:`mismatches`). Pure Python.
 """
 
 from __future__ import annotations
@@ -212,13 +213,10 @@ def _behind(ev: Evidence, g: Graph, rank: int, group: str, seq: int) -> list[int
             and k < seq]
 
 
-def _can_finish(ev: Evidence, g: Graph, rank: int, group: str, seq: int) -> bool:
-    """Whether op ``seq`` of ``group`` can finish: some rank left it or a later one, or every member entered it."""
-    if g.finished.get(group, 0) >= seq:
-        return True
-    mem = g.proven.get(group)
-    return mem is not None and all(m == rank or ((k := _known(ev, m, group, g.enq, mem)) is not None and k >= seq)
-                                   for m in mem)
+def _left(g: Graph, group: str, seq: int) -> bool:
+    """Whether op ``seq`` of ``group`` is proven finished: some rank left it or a later one there. Every member
+    having entered it proves nothing more: all in and none out is a hang inside the op."""
+    return g.finished.get(group, 0) >= seq
 
 
 def _judge_dump(ev: Evidence, g: Graph, rank: int, dump: F.Dump) -> None:
@@ -234,7 +232,7 @@ def _judge_dump(ev: Evidence, g: Graph, rank: int, dump: F.Dump) -> None:
         behind = _behind(ev, g, rank, group, op.seq)
         if behind:
             (unknown.append(group) if left else waiting.append((op, behind)))  # left: the evidence disagrees
-        elif not left and not _can_finish(ev, g, rank, group, op.seq):
+        elif not left and not _left(g, group, op.seq):
             unknown.append(group)
     for op, peer in _open_p2p(ev, g, rank, dump):
         if peer is None:
@@ -256,7 +254,8 @@ def _judge_dump(ev: Evidence, g: Graph, rank: int, dump: F.Dump) -> None:
 
 def _open_p2p(ev: Evidence, g: Graph, rank: int, dump: F.Dump) -> list[tuple[F.DumpOp, int | None]]:
     """The rank's point-to-point ops not proven finished, each with the peer that never entered the matching op
-    (None: the peer or its progress is not known). The k-th send to a peer matches the peer's k-th receive."""
+    (None: the peer or its progress is not known, or it entered the matching op and neither is recorded finished).
+    The k-th send to a peer matches the peer's k-th receive."""
     out: list[tuple[F.DumpOp, int | None]] = []
     sent: dict[tuple[str, int, bool], tuple[int, F.DumpOp]] = {}
     # gloo: a collective call returns when it is done, so a rank past a later collective left every earlier batch
@@ -277,8 +276,8 @@ def _open_p2p(ev: Evidence, g: Graph, rank: int, dump: F.Dump) -> list[tuple[F.D
             out.append((op, None))
             continue
         theirs = _count(other, group, peer, rank, not is_send, g, upto=None)
-        if theirs < mine:
-            out.append((op, peer))
+        # the peer entered the matching op too, and nothing says it finished: both in, none out
+        out.append((op, peer if theirs < mine else None))
     return out
 
 
@@ -329,26 +328,6 @@ def role(ev: Evidence, group: str) -> str:
     """What a group is across ranks: its description when it has one (every tp group is "tp"), else its name."""
     desc = ev.descs.get(group, "")
     return desc if desc and desc != "undefined" else group
-
-
-def deviators(ev: Evidence, ranks: list[int]) -> list[int]:
-    """Of ``ranks``, those whose sequence of (group role, op) departs first from what a strict majority of the
-    dumped ranks did at the same position (entries aligned by record id)."""
-    seqs = {r: [(role(ev, o.group), o.op) for o in d.ops if not o.p2p] for r, d in ev.dumps.items()}
-    if len(seqs) < 3:
-        return []
-    first: dict[int, int] = {}
-    for r in ranks:
-        for i, item in enumerate(seqs.get(r, [])):
-            votes = Counter(s[i] for s in seqs.values() if len(s) > i)
-            top, count = votes.most_common(1)[0]
-            if 2 * count > sum(votes.values()) and item != top:
-                first[r] = i
-                break
-    if not first:
-        return []
-    earliest = min(first.values())
-    return sorted(r for r, i in first.items() if i == earliest)
 
 
 def mismatches(ev: Evidence) -> tuple[str, int, list[int], list[int]] | None:

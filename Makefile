@@ -29,7 +29,7 @@ LOCK312  := requirements/lock-py312.txt
 NVRX312  := requirements/nvrx-py312.txt
 STAMP312 := $(VENV312)/.lifecycle-installed
 
-.PHONY: run test test-slow test-slurm env lint lock test-latest clean test-py312 env-py312 lock-py312
+.PHONY: run bench-diagnose test test-slow test-slurm env lint lock test-latest clean test-py312 env-py312 lock-py312
 
 env: $(STAMP)
 
@@ -52,6 +52,9 @@ lint: $(STAMP)
 
 test: lint
 	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q -p no:randomly -m "not slow" --durations=40
+
+bench-diagnose: $(STAMP)
+	$(VENV)/bin/python bench/diagnose_generated.py 1000000
 
 test-slow: $(STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q -p no:randomly -m slow --durations=15

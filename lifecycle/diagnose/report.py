@@ -75,8 +75,8 @@ def diagnose(paths: list[str], *, layout: Layout | None = None) -> Result:
         elif item.kind == "json" and not sources.read_json(item.path, reader):
             ev.skipped_files += 1
     sources.keep_current_report(ev)
-    v = verdict.decide(ev)
-    return Result(v, ev, waits.graph(ev), layout)
+    g = waits.graph(ev)
+    return Result(verdict.decide(ev, g), ev, g, layout)
 
 
 def _pickle(item: files.Input, ev: Evidence) -> None:

@@ -49,8 +49,8 @@ class Verdict:
                 self.evidence.append(w)
 
 
-def decide(ev: Evidence) -> Verdict:
-    g = waits.graph(ev)
+def decide(ev: Evidence, g: waits.Graph | None = None) -> Verdict:
+    g = g if g is not None else waits.graph(ev)
     for rule in (_report, _crashed, _named, _roots, _cycle, _mismatch, _stuck_together):
         v = rule(ev, g)
         if v is not None:

@@ -245,6 +245,8 @@ def _done(r: int, op: Op, n: int, coll: dict[tuple[int, str], list[tuple[str, in
           p2p: dict[tuple[int, str, int, str], int], poisoned: set[int]) -> bool:
     if op.peer is None:
         want = coll[(r, op.group.guid)][n - 1]
+        if any(len(coll.get((m, op.group.guid), ())) < n for m in op.group.ranks):
+            return False
         for m in op.group.ranks:
             theirs = coll.get((m, op.group.guid), [])
             if len(theirs) < n or theirs[n - 1] != want:

@@ -33,6 +33,10 @@ FRAMED = 8
 """The last entries of a dump whose stack frames are kept."""
 
 
+class Unusable(RunDirError):
+    """A dump that is safe to read but cannot be used (its rank is not known): skipped with a note, not fatal."""
+
+
 def _refuse(path: Path, why: str) -> RunDirError:
     return RunDirError(f"{path}: {why}", path=str(path))
 
@@ -155,8 +159,9 @@ def _rank(members: dict[str, tuple[int, ...]], path: Path) -> tuple[int, str]:
     if common is not None and len(common) == 1:
         return common.pop(), "the dump's groups"
     if named is None:
-        raise _refuse(path, "a Flight Recorder dump that does not tell its rank (its groups do not single one out) "
-                      "and whose file name does not end in the rank (torch names them <prefix><rank>)")
+        raise Unusable(f"{path}: a Flight Recorder dump that does not tell its rank (its groups do not single one "
+                       f"out) and whose file name does not end in the rank (torch names them <prefix><rank>)",
+                       path=str(path))
     return int(named.group(1)), "the file name (the dump's groups do not single out a rank)"
 
 

@@ -114,6 +114,8 @@ class Evidence:
     used_lines: int = 0
     unattributed: int = 0
     notes: list[str] = field(default_factory=list)
+    unusable: list[str] = field(default_factory=list)
+    """Inputs skipped because they could not be used (each says why and what would make it usable)."""
     layout: dict[str, list[list[int]]] | None = None
     """The job's layout as the user gave it (``diagnose -w N -o ...``): dimension -> its groups' ranks; it proves a
     group's membership where the dumps do not record it (gloo)."""

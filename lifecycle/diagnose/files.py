@@ -118,7 +118,8 @@ def sniff(head: bytes) -> str:
         return "pickle"
     text = head.lstrip()
     if text[:1] in (b"{", b"[") and b"\x00" not in head:
-        return "json" if text[:1] == b"{" else "log"
+        # a JSON array ("[[", "[{", "[]"): read as JSON (bounded, depth-checked); "[rank0]: ..." is a log
+        return "json" if text[:1] == b"{" or text[1:].lstrip()[:1] in (b"[", b"{", b"]") else "log"
     if not head:
         return "log"
     if b"\x00" in head:

@@ -58,6 +58,7 @@ SUMMARY_RANK = re.compile(r"^\s*rank\s*: (?P<rank>\d+) \(local_rank: (?P<local>\
 SUMMARY_HOST = re.compile(r"^\s*host\s*: (?P<host>\S+)\s*$")
 SUMMARY_EXIT = re.compile(r"^\s*exitcode\s*: (?P<code>-?\d+) \(pid: (?P<pid>\d+)\)(?:\s+\((?P<sig>SIG\w+)\))?")
 SUMMARY_ERRFILE = re.compile(r"^\s*error_file\s*: (?P<path>\S+)\s*$")
+ROOT_CAUSE = re.compile(r"^Root Cause \(first observed failure\):")
 AGENT_SIGNAL = re.compile(r"Sending process (?P<pid>\d+) closing signal (?P<sig>SIG\w+)")
 EXCEPTION = re.compile(r"^(?P<type>(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit|Failure))"
                        r"(?::\s?(?P<msg>.*))?$")

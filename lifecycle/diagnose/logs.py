@@ -40,6 +40,20 @@ class Reader:
     exits: list[tuple[str, Fact, int]] = field(default_factory=list)
     errfiles: dict[str, tuple[str, int | None, int | None]] = field(default_factory=dict)
     pid_rank: dict[int, int] = field(default_factory=dict)
+    roots: list[tuple[int, int, str]] = field(default_factory=list)
+    """torchrun's ``Root Cause (first observed failure)``: (global rank, exit code, file:line) where the code is an
+    exit status (a signal is judged with the others)."""
+
+    def judge_roots(self) -> None:
+        """A rank torchrun saw fail first, with an exit status of its own, whose own log was read and shows no
+        failure caused by a peer (no timeout, no closed connection): it crashed (``sys.exit(7)`` leaves no
+        traceback). Called once every input is read (an error file may say it was a consequence)."""
+        for rank, code, where in self.roots:
+            mine = [f for f in self.ev.facts if f.rank == rank]
+            if rank not in self.ev.present or any(f.kind in (F.CONSEQUENCE, F.TIMEOUT, F.CRASH) for f in mine):
+                continue
+            self.ev.add(Fact(F.CRASH, rank, where, detail=f"exit code {code}: torchrun's first observed failure; "
+                             f"its own log shows no failure caused by a peer"))
 
     def finish(self) -> None:
         """Resolve local ranks with each scope's offset (one consistent value, else they stay unknown), and
@@ -94,6 +108,8 @@ class _File:
         self.lineno = 0
         self.writers: dict[tuple[int | None, int | None], _Writer] = {}
         self.block: dict[str, str] = {}
+        self.root = False
+        """Within torchrun's ``Root Cause (first observed failure)`` block."""
         self.iteration: tuple[int, int, str] | None = None
         """(iteration, line number, line) of the last ``iteration N/ M`` line read."""
 
@@ -145,6 +161,12 @@ class _File:
         _parse(self, text, _Ctx(rank, local, where, pg, self._writer(rank, local)), who.host)
         if len(self.r.ev.facts) + len(self.r.pending) > before or self.block:
             self.r.ev.used_lines += 1
+
+    def _root(self, text: str) -> bool:
+        if lines.ROOT_CAUSE.search(text):
+            self.root = True
+            return True
+        return False
 
     def _writer(self, rank: int | None, local: int | None) -> _Writer:
         return self.writers.setdefault((rank, local if rank is None else None), _Writer())
@@ -273,6 +295,8 @@ def _summary(f: _File, text: str, ctx: _Ctx) -> bool:
             if key == "rank":
                 f.r.offsets.setdefault(f.scope, set()).add(int(m.group("rank")) - int(m.group("local")))
             return True
+    if f._root(text):
+        return True
     m = lines.SUMMARY_EXIT.match(text)
     if m and "rank" in f.block:
         _exit(f, ctx, m)
@@ -292,6 +316,8 @@ def _exit(f: _File, ctx: _Ctx, m: re.Match[str]) -> None:
     code, rank = int(m.group("code")), int(f.block["rank"])
     if f.block.get("host"):
         f.r.ev.hosts.setdefault(rank, f.block["host"])
+    if code > 0 and f.root and code not in (128 + 15, 128 + 9):
+        f.r.roots.append((rank, code, ctx.where))
     if code >= 0:
         return
     sig = m.group("sig") or f"signal {-code}"

@@ -69,11 +69,22 @@ def diagnose(paths: list[str], *, layout: Layout | None = None) -> Result:
         elif item.kind == "jsonl":
             ev.skipped_files += 1
     reader.finish()
+    unusable: list[dumps.Unusable] = []
     for item in inputs:
-        if item.kind == "pickle":
-            _pickle(item, ev)
-        elif item.kind == "json" and not sources.read_json(item.path, reader):
+        try:
+            if item.kind == "pickle":
+                _pickle(item, ev)
+            elif item.kind == "json" and not sources.read_json(item.path, reader):
+                ev.skipped_files += 1
+        except dumps.Unusable as exc:  # one unusable input never ends the run; a hostile one still does
+            unusable.append(exc)
             ev.skipped_files += 1
+            ev.unusable.append(f"{exc} — rename it to end in its rank (fr_trace_rank_<R>) to use it")
+            if len(ev.notes) < 20:
+                ev.notes.append(f"skipped: {exc}")
+    if unusable and not (ev.dumps or ev.facts or ev.present):
+        raise unusable[0]  # nothing usable is left: exit 2, naming the file
+    reader.judge_roots()
     sources.keep_current_report(ev)
     g = waits.graph(ev)
     return Result(verdict.decide(ev, g), ev, g, layout)

@@ -16,7 +16,7 @@ import re
 NEEDLES = (b"Traceback", b"Error", b"Exception", b"Interrupt", b"imed out", b"imeout", b"atchdog", b"nqueued",
            b"NCCL WARN", b"exitcode", b"local_rank", b"closing signal", b"monitoredBarrier", b"lagging",
            b"collective #", b"onnection", b'File "', b" from ", b"terminate called", b"what(", b"host ",
-           b"error_file", b"PG GUID")
+           b"error_file", b"PG GUID", b"Root Cause")
 ITERATION = re.compile(rb"\biteration\s+(?P<it>\d+)\s*/\s*\d+")
 LOOK_BACK = 64
 """How many ``iteration`` words are tried from the end of a chunk (a line may say it several times)."""

@@ -251,6 +251,7 @@ def _missing(ev: Evidence, g: waits.Graph, v: Verdict) -> None:
     if v.cause == "diverged" and not v.culprits:
         needs.append("dumps of more members of the group: a strict majority of ranks shows the order that was meant")
     needs += _unresolved(ev, g)
+    needs += [f"a usable form of {u}" for u in ev.unusable[:4]]
     quiet = [r for r in g.named if r not in g.free and r not in g.blocked and r not in g.unresolved]
     if quiet and not v.culprits:
         v.suspects = v.suspects or sorted(quiet)[:64]

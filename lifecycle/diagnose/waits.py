@@ -28,8 +28,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from lifecycle.diagnose import facts as F
-from lifecycle.diagnose.prevent import dimension
 from lifecycle.diagnose.facts import Evidence
+from lifecycle.diagnose.prevent import dimension
 
 
 @dataclass

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from lifecycle.diagnose import diagnose, lines, prefixes
+from lifecycle.errors import RunDirError
 
 DATA = Path(__file__).resolve().parents[2] / "data" / "diagnose"
 RUNDIRS = DATA / "rundirs"
@@ -144,3 +145,58 @@ def test_srun_label_prefixes_give_the_task_or_the_node() -> None:
 def test_gloo_and_nccl_failures_caused_by_a_peer_are_consequences(message: str) -> None:
     assert lines.is_consequence(message)
     assert not lines.is_consequence("ValueError: bad batch at step 3 (injected)")
+
+
+def test_a_victim_is_never_named_when_the_stalled_ranks_dump_is_lost(tmp_path: Path) -> None:
+    # plain_stall_inside_fr (culprit rank 2) without rank 2's dump, the one most often lost: rank 0 waits in dp for
+    # rank 2, and gloo's dumps neither record dp's members nor say that rank 0 left the op it entered
+    case = Path(__file__).resolve().parents[2] / "data" / "diagnose" / "cases" / "plain_stall_inside_fr"
+    shutil.copytree(case, tmp_path / "case")
+    (tmp_path / "case" / "fr" / "fr_trace_rank_2.json").unlink()
+    out = diagnose([str(tmp_path / "case")]).as_json()
+    assert out["culprits"] == [], out
+    assert any("group 3 (dp)" in m for m in out["missing"]), out["missing"]
+
+
+def test_an_unusable_dump_is_skipped_and_named_and_alone_it_exits_2(tmp_path: Path) -> None:
+    case = Path(__file__).resolve().parents[2] / "data" / "diagnose" / "cases" / "plain_stall_inside_fr"
+    shutil.copytree(case, tmp_path / "case")
+    (tmp_path / "case" / "fr" / "fr_trace_rank_3.json").rename(tmp_path / "case" / "fr" / "rank3.trace")
+    out = diagnose([str(tmp_path / "case")]).as_json()
+    assert any("rank3.trace" in n for n in out["notes"]) and any("rank3.trace" in m for m in out["missing"])
+    assert sorted(out["inputs"]["dumps"]) == ["0", "1", "2"]
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    (tmp_path / "case" / "fr" / "rank3.trace").rename(alone / "rank3.trace")
+    with pytest.raises(RunDirError, match="does not tell its rank"):
+        diagnose([str(alone)])
+
+
+def test_a_deeply_nested_json_array_is_refused_not_read_as_a_log(tmp_path: Path) -> None:
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 200_000 + "]" * 200_000)
+    with pytest.raises(RunDirError, match="nested too deeply"):
+        diagnose([str(deep)])
+
+
+C10D = "/usr/lib/python3/site-packages/torch/distributed/distributed_c10d.py"
+
+
+def test_torchruns_summary_names_a_rank_that_exited_first_with_its_own_code(tmp_path: Path) -> None:
+    # console only (torchrun --tee, no --log-dir): rank 2 exited 7 (sys.exit: no traceback), the others were
+    # SIGTERMed by torchrun afterwards
+    lines = [f"[rank{r}]: step 1: loss 4.0" for r in range(4)]
+    lines += ["Failures:"]
+    for i, r in enumerate((0, 1, 3)):
+        lines += [f"[{i + 1}]:", "  host      : node0", f"  rank      : {r} (local_rank: {r})",
+                  f"  exitcode  : -15 (pid: {100 + r})  (SIGTERM)", "  error_file: <N/A>"]
+    lines += ["Root Cause (first observed failure):", "[0]:", "  host      : node0", "  rank      : 2 (local_rank: 2)",
+              "  exitcode  : 7 (pid: 102) ", "  error_file: <N/A>"]
+    (tmp_path / "console.txt").write_text("\n".join(lines) + "\n")
+    out = diagnose([str(tmp_path)]).as_json()
+    assert out["culprits"] == [2] and out["cause"] == "crashed", out
+    # a rank whose own lines say it failed waiting for a peer is a victim, first observed or not
+    lines[3:3] = ["[rank2]: Traceback (most recent call last):", f'[rank2]:   File "{C10D}", line 3252, in all_reduce',
+                  "[rank2]: RuntimeError: [gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.0.0.3]:29500"]
+    (tmp_path / "console.txt").write_text("\n".join(lines) + "\n")
+    assert diagnose([str(tmp_path)]).as_json()["culprits"] == []

@@ -188,6 +188,11 @@ class RunDirError(UsageError):
         self.path = path
 
 
+class UnusableInput(RunDirError):
+    """An input of ``lifecycle diagnose`` that is safe to read but cannot be used (a dump whose rank is not known):
+    skipped with a note while other inputs are usable; exit 2 only when nothing else is."""
+
+
 class StorageError(PhaseError):
     """A file system refused a rank's write during the run: read-only, full or over its quota.
     ``path`` names the file, the message the run's folder it lies in (``checkpoint.dir``, ``run.dir``) and what to

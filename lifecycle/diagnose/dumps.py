@@ -19,7 +19,7 @@ from pathlib import Path
 from lifecycle.diagnose import facts as F
 from lifecycle.diagnose import files, safepickle
 from lifecycle.diagnose.facts import Dump, DumpOp
-from lifecycle.errors import RunDirError
+from lifecycle.errors import RunDirError, UnusableInput
 from lifecycle.jsontypes import Json, JsonDict
 
 VERSION = re.compile(r"^2\.(\d{1,3})$")
@@ -31,10 +31,6 @@ MAX_ENTRIES = 200_000
 MAX_FRAMES = 24
 FRAMED = 8
 """The last entries of a dump whose stack frames are kept."""
-
-
-class Unusable(RunDirError):
-    """A dump that is safe to read but cannot be used (its rank is not known): skipped with a note, not fatal."""
 
 
 def _refuse(path: Path, why: str) -> RunDirError:
@@ -159,7 +155,7 @@ def _rank(members: dict[str, tuple[int, ...]], path: Path) -> tuple[int, str]:
     if common is not None and len(common) == 1:
         return common.pop(), "the dump's groups"
     if named is None:
-        raise Unusable(f"{path}: a Flight Recorder dump that does not tell its rank (its groups do not single one "
+        raise UnusableInput(f"{path}: a Flight Recorder dump that does not tell its rank (its groups do not single one "
                        f"out) and whose file name does not end in the rank (torch names them <prefix><rank>)",
                        path=str(path))
     return int(named.group(1)), "the file name (the dump's groups do not single out a rank)"

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from lifecycle.diagnose import dumps, files, logs, prevent, sources, verdict, waits
 from lifecycle.diagnose.facts import Evidence
+from lifecycle.errors import UnusableInput
 from lifecycle.jsontypes import JsonDict
 
 Layout = dict[str, list[list[int]]]
@@ -69,14 +70,14 @@ def diagnose(paths: list[str], *, layout: Layout | None = None) -> Result:
         elif item.kind == "jsonl":
             ev.skipped_files += 1
     reader.finish()
-    unusable: list[dumps.Unusable] = []
+    unusable: list[UnusableInput] = []
     for item in inputs:
         try:
             if item.kind == "pickle":
                 _pickle(item, ev)
             elif item.kind == "json" and not sources.read_json(item.path, reader):
                 ev.skipped_files += 1
-        except dumps.Unusable as exc:  # one unusable input never ends the run; a hostile one still does
+        except UnusableInput as exc:  # one unusable input never ends the run; a hostile one still does
             unusable.append(exc)
             ev.skipped_files += 1
             ev.unusable.append(f"{exc} — rename it to end in its rank (fr_trace_rank_<R>) to use it")

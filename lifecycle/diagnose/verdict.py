@@ -154,10 +154,18 @@ def _cycle(ev: Evidence, g: waits.Graph) -> Verdict | None:
     m = waits.mismatches(ev)
     if m is not None and m[2] and set(m[2]) <= set(cycle):  # one op differs on a strict minority of its group
         return _mismatch(ev, g)
-    w = g.waits[cycle[0]]
-    v = Verdict([], "diverged", w.group, w.seq, w.op, suspects=cycle,
-                detail=f"ranks {_short(cycle)} wait for each other: their orders of collectives differ (a skipped op, "
-                       f"another group first); which of them departed is not proven by their dumps")
+    compared = sorted(set(cycle) | {m for r in cycle for m in g.waits[r].missing})
+    odd = waits.departed(ev, compared)
+    w = g.waits[odd if odd is not None and odd in g.waits else cycle[0]]
+    if odd is not None:
+        v = Verdict([odd], "diverged", w.group, w.seq, w.op,
+                    detail=f"ranks {_short(cycle)} wait for each other: their orders of collectives differ; rank {odd}'s "
+                           f"order conflicts with several ranks that agree with each other (two ranks run the ops of "
+                           f"the groups they share in one order)")
+    else:
+        v = Verdict([], "diverged", w.group, w.seq, w.op, suspects=cycle,
+                    detail=f"ranks {_short(cycle)} wait for each other: their orders of collectives differ (a skipped "
+                           f"op, another group first); which of them departed is not proven by their dumps")
     v.cite(*(g.waits[r].where for r in cycle))
     return v
 

@@ -330,6 +330,39 @@ def role(ev: Evidence, group: str) -> str:
     return desc if desc and desc != "undefined" else group
 
 
+MAX_COMPARED = 128
+
+
+def departed(ev: Evidence, ranks: list[int]) -> int | None:
+    """The one rank whose order of collectives conflicts with two or more of ``ranks`` while no two others conflict
+    with each other, or None.
+
+    Any two ranks of a correct job run the collectives of the groups they share in the same order (else they would
+    deadlock each other): their programs projected onto their shared groups are equal. Two ranks whose projections
+    differ at some position conflict, and one of them departed from the job's order. When every conflict among the
+    compared ranks involves one rank, and it conflicts with at least two (two that agree with each other), that rank
+    is the single explanation of every conflict. Complete dumps only (a wrapped ring buffer loses the alignment)."""
+    ranks = [r for r in ranks if r in ev.dumps][:MAX_COMPARED]
+    if len(ranks) < 3 or any(ev.dumps[r].wrapped for r in ranks):
+        return None
+    progs = {r: [(o.group, o.op) for o in ev.dumps[r].ops if not o.p2p] for r in ranks}
+    groups = {r: {g for g, _ in p} for r, p in progs.items()}
+    conflicts: dict[int, set[int]] = {r: set() for r in ranks}
+    for i, a in enumerate(ranks):
+        for b in ranks[i + 1:]:
+            shared = groups[a] & groups[b]
+            pa = [x for x in progs[a] if x[0] in shared]
+            pb = [x for x in progs[b] if x[0] in shared]
+            if any(x != y for x, y in zip(pa, pb, strict=False)):
+                conflicts[a].add(b)
+                conflicts[b].add(a)
+    centers = [r for r, c in conflicts.items() if len(c) >= 2]
+    if len(centers) != 1:
+        return None
+    x = centers[0]
+    return x if all(c == {x} for r, c in conflicts.items() if r != x and c) else None
+
+
 def mismatches(ev: Evidence) -> tuple[str, int, list[int], list[int]] | None:
     """The first (group, seq) where members ran different ops: (group, seq, minority, majority), or None."""
     table: dict[tuple[str, int], dict[int, tuple[str, str]]] = {}

@@ -69,13 +69,20 @@ def summarize(value: JsonDict, where: str, path: Path) -> Dump:
     rank, rank_from = _rank(members, path)
     dump = Dump(rank, where, value["version"], rank_from, ops, descs=descs, members=members,
                 world=len(everyone) if everyone else None, wrapped=bool(ops) and ops[0].record > 0,
-                states=any(op.state in ("started", "completed") for op in ops))
+                states=any(op.state in ("started", "completed") for op in ops) or _nccl(value.get("entries")))
     for op in ops:
         if not op.p2p:
             dump.enq[op.group] = max(dump.enq.get(op.group, 0), op.seq)
         if op.desc:
             dump.descs.setdefault(op.group, op.desc)
     return dump
+
+
+def _nccl(entries: Json) -> bool:
+    """An NCCL dump (its ops are asynchronous: only a recorded state proves one finished)."""
+    first = entries[-1] if isinstance(entries, list) and entries else None
+    name = first.get("profiling_name") if isinstance(first, dict) else None
+    return isinstance(name, str) and name.startswith("nccl:")
 
 
 def _pg_config(config: Json, path: Path) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:

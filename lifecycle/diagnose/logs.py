@@ -16,6 +16,9 @@ from lifecycle.diagnose import facts as F
 from lifecycle.diagnose import files, lines, prefixes, scan
 from lifecycle.diagnose.facts import Evidence, Fact
 
+PEER_EXITS = frozenset({1, 3, 4, 5})
+"""Exit statuses a rank also exits with when a peer failed: Python's uncaught exception (a timeout), lifecycle's hang,
+rank-failed and teardown-deadline codes."""
 LABEL_PRESENCE = re.compile(rb"(?m)^(\d{1,6}): ")
 
 
@@ -45,13 +48,17 @@ class Reader:
     exit status (a signal is judged with the others)."""
 
     def judge_roots(self) -> None:
-        """A rank torchrun saw fail first, with an exit status of its own, whose own log was read and shows no
-        failure caused by a peer (no timeout, no closed connection): it crashed (``sys.exit(7)`` leaves no
-        traceback). Called once every input is read (an error file may say it was a consequence)."""
+        """A rank torchrun saw fail first, with an exit status of its own, whose own lines show no failure caused
+        by a peer (no timeout, no closed connection; a peer's failure makes Python exit 1 with a traceback, which
+        torch prints ``[rankN]:``-prefixed): it crashed (``sys.exit(7)`` leaves no traceback). A status a victim
+        exits with too (1, lifecycle's 3-5) needs the rank's own log read. Called once every input is read (an
+        error file may say it was a consequence)."""
         for rank, code, where in self.roots:
             mine = [f for f in self.ev.facts if f.rank == rank]
-            if rank not in self.ev.present or any(f.kind in (F.CONSEQUENCE, F.TIMEOUT, F.CRASH) for f in mine):
+            if any(f.kind in (F.CONSEQUENCE, F.TIMEOUT, F.CRASH) for f in mine):
                 continue
+            if rank not in self.ev.present and code in PEER_EXITS:
+                continue  # its own lines are not told apart, and its status is one a victim exits with too
             self.ev.add(Fact(F.CRASH, rank, where, detail=f"exit code {code}: torchrun's first observed failure; "
                              f"its own log shows no failure caused by a peer"))
 
@@ -235,9 +242,16 @@ def _exception(f: _File, ctx: _Ctx, message: str, frames: list[str]) -> None:
     f.emit(ctx, kind, detail=message[:500], stage=stage, op=_op_of(frames))
 
 
+P2P_FRAMES = ("p2p_communication", "batch_isend_irecv", "_batched_p2p_ops", "_p2p_ops", "isend", "irecv")
+"""Frames of point-to-point calls: torch's, and Megatron's pipeline (whose batched sends and receives fail in a
+``wait()`` below them)."""
+
+
 def _op_of(frames: list[str]) -> str | None:
     ops = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier", "all_to_all", "send", "recv",
            "gather", "scatter", "reduce", "monitored_barrier")
+    if any(marker in frame for frame in frames[-6:] for marker in P2P_FRAMES):
+        return "p2p"
     for frame in reversed(frames):
         name = frame.split(" ")[0]
         if name in ops or name.removesuffix("_into_tensor").removesuffix("_base") in ops:
@@ -316,7 +330,7 @@ def _exit(f: _File, ctx: _Ctx, m: re.Match[str]) -> None:
     code, rank = int(m.group("code")), int(f.block["rank"])
     if f.block.get("host"):
         f.r.ev.hosts.setdefault(rank, f.block["host"])
-    if code > 0 and f.root and code not in (128 + 15, 128 + 9):
+    if code > 0 and f.root and code not in (128 + 6, 128 + 9, 128 + 15):  # not a signal's status
         f.r.roots.append((rank, code, ctx.where))
     if code >= 0:
         return

@@ -260,7 +260,15 @@ def _missing(ev: Evidence, g: waits.Graph, v: Verdict) -> None:
         needs.append("dumps of more members of the group: a strict majority of ranks shows the order that was meant")
     needs += _unresolved(ev, g)
     needs += [f"a usable form of {u}" for u in ev.unusable[:4]]
-    quiet = [r for r in g.named if r not in g.free and r not in g.blocked and r not in g.unresolved]
+    hidden = sorted(r for r in g.named if r in g.hidden)
+    if hidden and not v.culprits:
+        v.suspects = v.suspects or hidden[:64]
+        needs.append(f"proof that rank(s) {_short(hidden)} wait in no send or receive: their gloo dumps show them past "
+                     f"every collective they entered, but gloo records no point-to-point op ({g.hidden[hidden[0]]}): "
+                     f"for a job without a pipeline, diagnose -w N -o ... with its layout decides; with one, NCCL's "
+                     f"dumps (which record sends and receives) do")
+    quiet = [r for r in g.named if r not in g.free and r not in g.blocked and r not in g.unresolved
+             and r not in g.hidden]
     if quiet and not v.culprits:
         v.suspects = v.suspects or sorted(quiet)[:64]
         needs.append(f"Flight Recorder dumps of rank(s) {_short(sorted(quiet))}: others wait for them, and their logs "

@@ -59,6 +59,9 @@ class Graph:
     """group -> its members, where the evidence proves the whole membership."""
     finished: dict[str, int] = field(default_factory=dict)
     """group -> the highest op some rank is proven to have left there (:func:`finished`)."""
+    hidden: dict[int, str] = field(default_factory=dict)
+    """rank -> why its gloo dump, which shows it left every collective it entered, does not prove it free (it may
+    wait in a send or receive, which gloo does not record)."""
     recorded: set[str] = field(default_factory=set)
     """Groups whose members are recorded in group-rank order (``pg_config``, a hang report, the default group)."""
 
@@ -203,7 +206,28 @@ def graph(ev: Evidence) -> Graph:
         _judge_dump(ev, g, rank, dump)
     for rank in sorted({f.rank for f in ev.facts if f.rank is not None} - set(ev.dumps)):
         _judge_log(ev, g, rank)
+    hidden = unrecorded_p2p(ev)
+    if hidden:
+        for rank in sorted(r for r in g.free if r in ev.dumps and not ev.dumps[r].states):
+            g.free.discard(rank)
+            g.hidden[rank] = hidden
     return g
+
+
+P2P_OPS = frozenset({"send", "recv", "isend", "irecv", "batch_isend_irecv", "recv_any_source", "p2p"})
+
+
+def unrecorded_p2p(ev: Evidence) -> str | None:
+    """Why a gloo dump cannot prove that a rank waits in no send or receive, or None when the evidence rules such
+    waits out. gloo's Flight Recorder records collectives only (torch 2.9 ... 2.13): a rank past every collective
+    it entered may be blocked in a send to a stalled peer, and no log line proves otherwise (a rank SIGTERMed
+    before its own timeout prints nothing). The job's layout, given with ``-w``/``-o``, says whether it has a
+    pipeline; a job without one is taken to send and receive nothing."""
+    if ev.layout is None:
+        return "gloo records no send or receive, and no layout (-w/-o) says the job has none"
+    if any(len(m) > 1 for m in ev.layout.get("pp", [])):
+        return "the layout given has a pipeline, whose sends and receives gloo does not record"
+    return None
 
 
 def _behind(ev: Evidence, g: Graph, rank: int, group: str, seq: int) -> list[int]:
@@ -213,10 +237,10 @@ def _behind(ev: Evidence, g: Graph, rank: int, group: str, seq: int) -> list[int
             and k < seq]
 
 
-def _left(g: Graph, group: str, seq: int) -> bool:
+def _left(g: Graph, group: str, seq: int, rank: int) -> bool:
     """Whether op ``seq`` of ``group`` is proven finished: some rank left it or a later one there. Every member
     having entered it proves nothing more: all in and none out is a hang inside the op."""
-    return g.finished.get(group, 0) >= seq
+    return g.finished.get(group, 0) >= seq or g.proven.get(group) == [rank]  # a group of one waits for nobody
 
 
 def _judge_dump(ev: Evidence, g: Graph, rank: int, dump: F.Dump) -> None:
@@ -232,7 +256,7 @@ def _judge_dump(ev: Evidence, g: Graph, rank: int, dump: F.Dump) -> None:
         behind = _behind(ev, g, rank, group, op.seq)
         if behind:
             (unknown.append(group) if left else waiting.append((op, behind)))  # left: the evidence disagrees
-        elif not left and not _left(g, group, op.seq):
+        elif not left and not _left(g, group, op.seq, rank):
             unknown.append(group)
     for op, peer in _open_p2p(ev, g, rank, dump):
         if peer is None:

@@ -19,6 +19,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -53,15 +54,30 @@ CASES: dict[str, tuple[str, str, int, int, str | None, str]] = {
     "megatron_skip_fr": ("megatron", "skip", 1, 2, "pickle", "console"),
     "megatron_raise": ("megatron", "raise", 0, 2, None, "tee"),
 }
+# Cases of other shapes: world, extra environment, and seconds after which torchrun itself is killed from outside
+# (SIGTERM to the launcher while the job hangs: no rank fails by itself, the collective timeout is long)
+EXTRA: dict[str, dict[str, object]] = {
+    "pipe_stall_fr": {"world": 6, "env": {"PIPE": "1", "TP": "1"}},
+    "plain_stall_inside_w6_nodump": {"world": 6, "env": {"TP": "3", "DUMP_ON_TERM": "0"}},
+    "plain_exit_console": {"world": 4, "env": {}},
+    "plain_killed_outside_fr": {"world": 6, "env": {"TP": "2", "COLL_TIMEOUT_S": "300"}, "kill_after": 12},
+}
+CASES.update({
+    "pipe_stall_fr": ("plain", "stall_pipe", 4, 2, "pickle", "console"),
+    "plain_stall_inside_w6_nodump": ("plain", "stall_inside", 4, 2, "json", "tee"),
+    "plain_exit_console": ("plain", "exit", 2, 2, None, "console"),
+    "plain_killed_outside_fr": ("plain", "stall_before", 5, 2, "pickle", "tee"),
+})
 RELABELLED = {"slurm_label_stall_inside": "plain_stall_inside", "ray_raise": "plain_raise_fr"}
-GROUPS = {"stall_before": "tp", "stall_inside": "dp", "skip": "dp", "other_group_first": "tp",
+GROUPS = {"stall_pipe": "default_pg", "exit": "default_pg", "stall_before": "tp", "stall_inside": "dp", "skip": "dp", "other_group_first": "tp",
           "stall_save": "default_pg", "no_rendezvous": "default_pg"}
 
 
-def _env(case: tuple[str, str, int, int, str | None, str], fr_dir: Path, ckpt: Path) -> dict[str, str]:
+def _env(case: tuple[str, str, int, int, str | None, str], fr_dir: Path, ckpt: Path,
+         extra: dict[str, str] | None = None) -> dict[str, str]:
     _, fault, rank, step, fr, _ = case
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FAULT": fault, "FAULT_RANK": str(rank),
-           "FAULT_STEP": str(step), "CKPT_DIR": str(ckpt), "PYTHONUNBUFFERED": "1"}
+           "FAULT_STEP": str(step), "CKPT_DIR": str(ckpt), "PYTHONUNBUFFERED": "1", **(extra or {})}
     if fr:
         env.update(TORCH_FR_BUFFER_SIZE="2000", FR_DIR=str(fr_dir), FR_JSON="1" if fr == "json" else "0")
     return env
@@ -75,21 +91,32 @@ def run_case(name: str) -> None:
     job = HERE / "jobs" / ("plain_loop.py" if case[0] == "plain" else "megatron_loop.py")
     with tempfile.TemporaryDirectory() as tmp:
         logs = Path(tmp) / "logs"
-        cmd = [TORCHRUN, "--standalone", "--nproc-per-node", "4"]
+        extra = EXTRA.get(name, {})
+        world = int(extra.get("world", 4))  # type: ignore[call-overload]
+        cmd = [TORCHRUN, "--standalone", "--nproc-per-node", str(world)]
         if case[5] == "tee":
             cmd += ["--log-dir", str(logs), "--tee", "3"]
         t0 = time.monotonic()
-        proc = subprocess.run([*cmd, str(job)], env=_env(case, out / "fr", Path(tmp) / "ckpt"), cwd=ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=300)
-        (out / "console.txt").write_bytes(proc.stdout)
+        env = _env(case, out / "fr", Path(tmp) / "ckpt", extra.get("env"))  # type: ignore[arg-type]
+        with subprocess.Popen([*cmd, str(job)], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT) as proc:
+            if "kill_after" in extra:
+                time.sleep(float(extra["kill_after"]))  # type: ignore[arg-type]
+                proc.send_signal(signal.SIGTERM)  # from outside: the operator, the scheduler
+            output, _ = proc.communicate(timeout=300)
+        (out / "console.txt").write_bytes(output)
         if logs.is_dir():
             _keep_logs(logs, out / "logs")
     if not any((out / "fr").iterdir()):
         (out / "fr").rmdir()
     expected = {"job": case[0], "fault": case[1], "culprits": [case[2]], "step": case[3] or None,
                 "group": "default_pg" if case[0] == "plain" and case[1] in ("kill", "raise") else GROUPS.get(case[1]),
-                "flight_recorder": case[4], "launcher": f"torchrun {case[5]}", "world_size": 4,
+                "flight_recorder": case[4], "launcher": f"torchrun {case[5]}", "world_size": world,
                 "torchrun_exit": proc.returncode, "torch": _torch_version()}
+    tp = int(extra.get("env", {}).get("TP", "2"))  # type: ignore[union-attr]
+    if tp in (1, 2):  # the job's layout as diagnose -w N -o ... gives it (the policy's model takes tp 1 or 2)
+        pp = ["parallelism.pp=2"] if extra.get("env", {}).get("PIPE") == "1" else []  # type: ignore[union-attr]
+        expected["diagnose_overrides"] = [f"parallelism.tp={tp}", *pp, "parallelism.ep=1", "parallelism.etp=1"]
     (out / "expected.json").write_text(json.dumps(expected, indent=1) + "\n")
     print(f"{name}: torchrun exit {proc.returncode} in {time.monotonic() - t0:.1f}s", flush=True)
 

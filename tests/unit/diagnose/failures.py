@@ -30,6 +30,7 @@ WORLDS = (2, 3, 4, 4, 6, 8, 8, 12, 16, 16, 24, 32, 64)
 MEGATRON_DESC = {"tp": "TENSOR_MODEL_PARALLEL_GROUP", "cp": "CONTEXT_PARALLEL_GROUP", "dp": "DATA_PARALLEL_GROUP",
                  "pp": "PIPELINE_MODEL_PARALLEL_GROUP"}
 C10D = "/usr/lib/python3/site-packages/torch/distributed/distributed_c10d.py"
+P2P = "/usr/lib/python3/site-packages/megatron/core/pipeline_parallel/p2p_communication.py"
 GLOO_TIMEOUT = ("RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out "
                 "waiting 4000ms for recv operation to complete")
 NCCL_OP = {"all_reduce": "ALLREDUCE", "all_gather": "ALLGATHER", "reduce_scatter": "REDUCE_SCATTER",
@@ -68,6 +69,8 @@ class Case:
     at: int
     """The index of the faulty step in the culprit's program."""
     nccl: bool = False
+    layout: dict[str, list[list[int]]] | None = None
+    """The job's layout as ``diagnose -w N -o ...`` would give it (Megatron-shaped jobs only)."""
     records: dict[int, list[tuple[Op, int, str]]] = field(default_factory=dict)
     """rank -> (op, its sequence number on its group (collectives) or of its kind to its peer, state)."""
     stuck: set[int] = field(default_factory=set)
@@ -75,7 +78,10 @@ class Case:
     evidence: str = ""
 
 
-def _megatron(rng: random.Random, world: int) -> tuple[list[Group], dict[int, list[Step]], str]:
+Layout = dict[str, list[list[int]]]
+
+
+def _megatron(rng: random.Random, world: int) -> tuple[list[Group], dict[int, list[Step]], str, Layout | None]:
     dims = {"tp": 1, "cp": 1, "pp": 1}
     rest = world
     for name in ("tp", "pp", "cp"):
@@ -148,10 +154,14 @@ def _megatron(rng: random.Random, world: int) -> tuple[list[Group], dict[int, li
             prog.append((Op(default, "all_reduce", 1),))
         programs[r] = prog
     shape = f"megatron tp{tp} cp{cp} dp{dp} pp{pp}" + (" interleaved" if interleaved else "")
-    return groups, programs, shape
+    layout: Layout = {name: sorted({tuple(sorted(member(r, i) for i in range(size))) for r in range(world)})
+                      for name, (size, member) in families.items()}  # type: ignore[misc]
+    layout = {k: [list(g) for g in v] for k, v in layout.items()}
+    layout["world"] = [list(range(world))]
+    return groups, programs, shape, layout
 
 
-def _new_groups(rng: random.Random, world: int) -> tuple[list[Group], dict[int, list[Step]], str]:
+def _new_groups(rng: random.Random, world: int) -> tuple[list[Group], dict[int, list[Step]], str, Layout | None]:
     groups: list[Group] = []
     for _ in range(rng.randint(1, 6)):
         size = rng.randint(2, world) if world > 2 else 2
@@ -162,13 +172,13 @@ def _new_groups(rng: random.Random, world: int) -> tuple[list[Group], dict[int, 
     ops = [(g, rng.choice(["all_reduce", "all_gather", "broadcast"]), rng.choice([1, 4, 16])) for g in slots]
     iters = rng.randint(2, 3)
     programs = {r: [(Op(g, n, s),) for _ in range(iters) for g, n, s in ops if r in g.ranks] for r in range(world)}
-    return groups, programs, f"{len(groups)} new_group sets"
+    return groups, programs, f"{len(groups)} new_group sets", None
 
 
 def make(seed: int, *, big: bool = False) -> Case:
     rng = random.Random(seed)
     world = rng.choice((128, 256, 1024)) if big else rng.choice(WORLDS)
-    groups, programs, shape = (_megatron if rng.random() < 0.65 else _new_groups)(rng, world)
+    groups, programs, shape, layout = (_megatron if rng.random() < 0.65 else _new_groups)(rng, world)
     fault = rng.choice(FAULTS)
     culprit = rng.randrange(world)
     prog = programs[culprit]
@@ -178,7 +188,8 @@ def make(seed: int, *, big: bool = False) -> Case:
         at = rng.choice(colls)
     if fault == "stall_before":
         at = next((i for i, step in enumerate(prog) if i >= at and step[0].group.guid == "0"), at)
-    case = Case(seed, world, shape, groups, programs, fault, culprit, at, nccl=rng.random() < 0.4)
+    case = Case(seed, world, shape, groups, programs, fault, culprit, at, nccl=rng.random() < 0.4,
+                layout=layout if rng.random() < 0.3 else None)
     simulate(case)
     return case
 
@@ -290,12 +301,14 @@ def render(case: Case, folder: Path, rng: random.Random) -> str:
     dumps_cls = ("no dumps" if not kept else "every dump" if kept == set(range(case.world))
                  else "culprit's dump" if x in kept else "no culprit dump")
     case.evidence = f"{cls}, {dumps_cls}{', wrapped' if wrapped and kept else ''}" + \
-        (", logs" + (" + summary" if summary else "") if logs_kept else "")
+        (", layout" if case.layout else "") + (", logs" + (" + summary" if summary else "") if logs_kept else "")
     return case.evidence
 
 
 def _dump(case: Case, r: int, folder: Path, rng: random.Random, wrapped: bool, as_json: bool, version: str) -> None:
     records = case.records[r]
+    if not case.nccl:
+        records = [rec for rec in records if rec[0].peer is None]
     keep = rng.randint(2, 8) if wrapped else len(records)
     first = max(len(records) - keep, 0)
     entries = []
@@ -303,6 +316,8 @@ def _dump(case: Case, r: int, folder: Path, rng: random.Random, wrapped: bool, a
     for i, (op, n, state) in enumerate(records):
         if op.peer is not None:
             p2p_seq[op.group.guid] = p2p_seq.get(op.group.guid, 0) + 1
+            if not case.nccl:
+                continue  # gloo's Flight Recorder records collectives only (torch 2.9 ... 2.13)
         if i < first:
             continue
         grank = op.group.ranks.index(r)
@@ -365,8 +380,10 @@ def _console(case: Case, folder: Path, rng: random.Random, summary: bool, dead: 
                              f"timeout: WorkNCCL(SeqNum={seq}, OpType={NCCL_OP.get(op.name, 'ALLREDUCE')}, NumelIn=1,"
                              f" NumelOut=1, Timeout(ms)=600000) ran for 600012 milliseconds before timing out.")
             else:
-                lines += [f"[rank{r}]: Traceback (most recent call last):",
-                          f'[rank{r}]:   File "{C10D}", line 3252, in {op.name}',
+                batched = op.peer is not None and any(len(step) > 1 for step in case.programs[r])
+                where = (f'[rank{r}]:   File "{P2P}", line 200, in _batched_p2p_ops' if batched  # Megatron's
+                         else f'[rank{r}]:   File "{C10D}", line 3252, in {op.name}')
+                lines += [f"[rank{r}]: Traceback (most recent call last):", where,
                           f"[rank{r}]:     work.wait()", f"[rank{r}]: {GLOO_TIMEOUT}"]
             timed_out.append(r)
     if summary:
@@ -419,5 +436,5 @@ def check(seed: int, folder: Path, *, big: bool = False) -> Outcome:
     case = make(seed, big=big)
     rng = random.Random(seed ^ 0x5EED)
     render(case, folder, rng)
-    out = diagnose([str(folder)]).as_json()
+    out = diagnose([str(folder)], layout=case.layout).as_json()
     return Outcome(case, out["culprits"], out["cause"])

@@ -105,29 +105,32 @@ def test_nccl_warn_lines_naming_both_ends_are_a_network_link(tmp_path: Path) -> 
     assert {"node7", "node8.cluster<51022>"} <= set(out["hosts"])
 
 
-def _nccl_dump(version: str, rank: int, last: int, groups: dict[str, tuple[str, list[int]]]) -> dict[str, object]:
-    """A dump shaped as FlightRecorderDetail.hpp writes it: ``last`` ops on the tp group of this rank."""
+def _nccl_dump(version: str, rank: int, last: int, groups: dict[str, tuple[str, list[int]]],
+               done: int | None = None) -> dict[str, object]:
+    """A dump shaped as FlightRecorderDetail.hpp writes it: ``last`` ops on the tp group of this rank, the first
+    ``done`` of them completed (the watchdog saw them finish)."""
+    done = last - 1 if done is None else done
     entries = []
     for seq in range(1, last + 1):
         entries.append({"record_id": seq - 1, "pg_id": 1, "process_group": ("3", groups["3"][0]),
                         "collective_seq_id": seq, "p2p_seq_id": 0, "op_id": seq, "profiling_name": "nccl:all_reduce",
-                        "time_created_ns": 1, "input_sizes": [[1024]], "output_sizes": [[1024]], "state": "scheduled",
-                        "retired": False, "timeout_ms": 600000, "is_p2p": False,
+                        "time_created_ns": 1, "input_sizes": [[1024]], "output_sizes": [[1024]],
+                        "state": "completed" if seq <= done else "scheduled", "retired": seq <= done, "timeout_ms": 600000, "is_p2p": False,
                         "frames": [{"name": "all_reduce", "filename": "distributed_c10d.py", "line": 1}]})
     return {"version": version, "comm_lib_version": "2.21.5", "entries": entries,
             "pg_config": {g: {"name": g, "desc": d, "ranks": str(r)} for g, (d, r) in groups.items()},
             "pg_status": {"1": {"last_enqueued_collective": last, "last_started_collective": last,
-                                "last_completed_collective": last - 1}}}
+                                "last_completed_collective": done}}}
 
 
 def test_nccl_dumps_of_every_version_give_their_rank_from_their_groups(tmp_path: Path) -> None:
     for version in ("2.4", "2.7", "2.10"):
         folder = tmp_path / version
         folder.mkdir()
-        for rank, last in ((4, 8), (5, 7)):  # rank 5 never entered op 8 of tp group 3 = ranks [4, 5]
+        for rank, last in ((4, 8), (5, 7)):  # rank 5 finished op 7 and never entered op 8 of tp group 3 = [4, 5]
             groups = {"0": ("default_pg", list(range(8))), "3": ("TENSOR_MODEL_PARALLEL_GROUP", [4, 5]),
                       "7": ("DATA_PARALLEL_GROUP", [rank % 4, rank % 4 + 4])}
-            data = _nccl_dump(version, rank, last, groups)
+            data = _nccl_dump(version, rank, last, groups, done=7)
             name = f"trace_{'ab'[rank - 4]}"  # the file names say nothing: the rank comes from the dump
             if version == "2.7":
                 (folder / name).write_text(json.dumps(data))

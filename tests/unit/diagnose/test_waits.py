@@ -32,6 +32,9 @@ def _evidence(done: dict[int, int]) -> Evidence:
     ev.dumps = {r: _dump(r, n) for r, n in done.items()}
     ev.descs.update(DESC)
     ev.members = {g: tuple(r) for g, r in {**TP, **DP}.items()}
+    # the job's layout as its user gives it (diagnose -w 6 -o ...): no pipeline, so no send or receive, which gloo
+    # does not record, can hide where a rank waits
+    ev.layout = {"tp": [TP["1"], TP["2"]], "dp": list(DP.values()), "pp": [[r] for r in range(6)]}
     return ev
 
 
@@ -52,6 +55,17 @@ def test_a_rank_stalled_before_its_step_is_named_in_tp_its_first_op() -> None:
     ev = _evidence({0: 5, 1: 5, 2: 5, 3: 4, 4: 3, 5: 4})
     v = verdict.decide(ev)
     assert v.culprits == [4] and (v.group, v.seq) == ("2", 2)
+
+
+def test_without_the_layout_a_gloo_dump_proves_no_rank_free() -> None:
+    # gloo records no send or receive: rank 4 may be blocked in one; it is a suspect until the layout says there is
+    # no pipeline
+    ev = _evidence({0: 9, 1: 8, 2: 9, 3: 9, 4: 7, 5: 9})
+    ev.layout = None
+    g = waits.graph(ev)
+    assert g.roots == [] and 4 in g.hidden
+    v = verdict.decide(ev, g)
+    assert v.culprits == [] and v.suspects == [4]
 
 
 def test_a_wait_downstream_of_a_waiting_rank_is_never_chosen_first() -> None:

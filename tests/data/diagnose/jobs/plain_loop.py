@@ -9,7 +9,11 @@ is terminated, as a job author would have to on gloo (torch dumps by itself only
 Faults: stall_before (sleeps before the step's first collective), stall_inside (after the tp all-reduce),
 kill (SIGKILL itself), raise, skip (skips the dp all-reduce: a divergence), other_group_first (the loss
 all-reduce on the default group before the tp one),
-no_rendezvous (sleeps before init_process_group), stall_save (sleeps inside the checkpoint's write).
+no_rendezvous (sleeps before init_process_group), stall_save (sleeps inside the checkpoint's write), exit
+(``sys.exit(7)``: no traceback), stall_pipe (the faulty rank of stage 1 sleeps before its receive). ``PIPE=1`` makes
+two pipeline stages (ranks [0, W/2) and [W/2, W)): each step a stage-0 rank sends its activation to its stage-1
+counterpart and receives the gradient back (blocking send/recv on the default group). ``DUMP_ON_TERM=0`` keeps the
+SIGTERM handler from dumping (most real jobs dump, if at all, only in their exception handler).
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ FAULT_STEP = int(os.environ.get("FAULT_STEP", "2"))
 STEPS = int(os.environ.get("STEPS", "4"))
 TP = int(os.environ.get("TP", "2"))
 CKPT_STEP = int(os.environ.get("CKPT_STEP", "3"))
+PIPE = os.environ.get("PIPE") == "1"
+DUMP_ON_TERM = os.environ.get("DUMP_ON_TERM", "1") == "1"
 TIMEOUT_S = float(os.environ.get("COLL_TIMEOUT_S", "4"))
 RANK = int(os.environ["RANK"])
 
@@ -48,7 +54,8 @@ def dump_fr(reason: str) -> None:
 
 
 def on_term(signum: int, frame: object) -> None:
-    dump_fr("SIGTERM")
+    if DUMP_ON_TERM:
+        dump_fr("SIGTERM")
     os._exit(143)
 
 
@@ -109,6 +116,9 @@ def step_once(step: int, tp: dist.ProcessGroup, dp: dist.ProcessGroup, w: torch.
         raise ValueError(f"bad batch at step {step} (injected)")
     if faulty("kill", step):
         os.kill(os.getpid(), signal.SIGKILL)
+    if faulty("exit", step):
+        print(f"step {step}: exiting with 7 (injected)", flush=True)
+        sys.exit(7)
     grad = torch.ones(16) * (RANK + 1)
     loss = torch.tensor([float(step)])
     if faulty("other_group_first", step):  # the loss all-reduce on the default group before the tp one
@@ -116,12 +126,28 @@ def step_once(step: int, tp: dist.ProcessGroup, dp: dist.ProcessGroup, w: torch.
     dist.all_reduce(grad, group=tp)
     if faulty("stall_inside", step):
         stall(step)
+    if PIPE:
+        pipe(step, grad)
     if not faulty("skip", step):
         dist.all_reduce(grad, group=dp)
     if not faulty("other_group_first", step):
         dist.all_reduce(loss)
     w += grad * 1e-3
     print(f"step {step}: loss {loss.item():.1f}", flush=True)
+
+
+def pipe(step: int, grad: torch.Tensor) -> None:
+    """Stage 0 sends its activation to its stage-1 counterpart and receives the gradient back."""
+    half = dist.get_world_size() // 2
+    act = torch.ones(8) * step
+    if RANK < half:
+        dist.send(act, RANK + half)
+        dist.recv(act, RANK + half)
+    else:
+        if faulty("stall_pipe", step):
+            stall(step)
+        dist.recv(act, RANK - half)
+        dist.send(act, RANK - half)
 
 
 def main() -> None:

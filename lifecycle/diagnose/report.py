@@ -137,7 +137,9 @@ def layout_of(overrides: list[str], config_dir: str | None, config_name: str, wo
     from lifecycle.machine.explain import _layout
     from lifecycle.policy.load import load
 
-    lay = _layout(load(overrides, config_dir=config_dir, config_name=config_name), world)
+    # only the layout matters here: the policy's model (its heads, its experts) must not refuse a foreign job's tp
+    neutral = ["train.kind=synthetic", "~train.options"]
+    lay = _layout(load([*neutral, *overrides], config_dir=config_dir, config_name=config_name), world)
     names = ["tp", "pp", "dp", "cp", "ep", "etp", "edp", "dp_cp", "mp", "tp_dp", "tp_ep", "world"]
     out: Layout = {}
     for name in names:

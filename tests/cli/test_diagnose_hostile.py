@@ -91,7 +91,8 @@ def test_binary_junk_named_is_refused_and_skipped_in_a_folder(tmp_path: Path) ->
     junk.write_bytes(bytes(range(256)) * 64)
     _refused(run_cli("diagnose", str(junk)), junk, "binary data")
     shutil.copytree(CASE / "fr", tmp_path / "fr")
-    proc = run_cli("diagnose", "--json", str(tmp_path))
+    layout = ("-w", "4", "-o", "parallelism.tp=2", "-o", "parallelism.ep=1", "-o", "parallelism.etp=1")
+    proc = run_cli("diagnose", "--json", str(tmp_path), *layout)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["inputs"]["skipped_files"] == 1 and out["culprits"] == [1]

@@ -33,7 +33,13 @@ def _torchrun(tmp: Path, nproc: int, **env: str) -> Path:
 
 def test_a_rank_stalled_inside_a_step_of_a_world_6_job(tmp_path: Path) -> None:
     out = _torchrun(tmp_path, 6, TP="3", FAULT="stall_inside", FAULT_RANK="4", FAULT_STEP="3", FR_DIR="yes")
-    proc = run_cli("diagnose", "--json", str(out))
+    # gloo's dumps alone: rank 4 left every collective it entered, but gloo records no send or receive
+    alone = json.loads(run_cli("diagnose", "--json", str(out)).stdout)
+    assert alone["culprits"] == [] and alone["suspects"] == [4], alone
+    assert any("-w N -o" in m for m in alone["missing"]), alone["missing"]
+    # the job's layout, as its user gives it (tp=3 at world 6, no pipeline, no experts), decides
+    layout = ("-w", "6", "-o", "parallelism.tp=3", "-o", "parallelism.ep=1", "-o", "parallelism.etp=1")
+    proc = run_cli("diagnose", "--json", str(out), *layout)
     assert proc.returncode == 0, proc.stderr
     verdict = json.loads(proc.stdout)
     assert verdict["culprits"] == [4], verdict

@@ -59,6 +59,8 @@ class Graph:
     """group -> its members, where the evidence proves the whole membership."""
     finished: dict[str, int] = field(default_factory=dict)
     """group -> the highest op some rank is proven to have left there (:func:`finished`)."""
+    known: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    """group -> (position, member) of the members whose position there is known, lowest first."""
     hidden: dict[int, str] = field(default_factory=dict)
     """rank -> why its gloo dump, which shows it left every collective it entered, does not prove it free (it may
     wait in a send or receive, which gloo does not record)."""
@@ -232,9 +234,19 @@ def unrecorded_p2p(ev: Evidence) -> str | None:
 
 def _behind(ev: Evidence, g: Graph, rank: int, group: str, seq: int) -> list[int]:
     """Members of ``group`` whose own position there is known and below ``seq``."""
-    ranks = sorted(set(g.members.get(group, [])) | set(g.proven.get(group, [])))
-    return [m for m in ranks if m != rank and (k := _known(ev, m, group, g.enq, g.proven.get(group))) is not None
-            and k < seq]
+    known = g.known.get(group)
+    if known is None:  # each member's known position on the group, lowest first (computed once per group)
+        ranks = sorted(set(g.members.get(group, [])) | set(g.proven.get(group, [])))
+        mem = g.proven.get(group)
+        known = sorted((k, m) for m in ranks if (k := _known(ev, m, group, g.enq, mem)) is not None)
+        g.known[group] = known
+    out = []
+    for k, m in known:
+        if k >= seq:
+            break
+        if m != rank:
+            out.append(m)
+    return sorted(out)
 
 
 def _left(g: Graph, group: str, seq: int, rank: int) -> bool:

@@ -1,7 +1,7 @@
 """Generated failures for ``lifecycle diagnose``: a seeded generator of jobs, one fault each, and the evidence they
 would leave, with parts of it lost. Pure Python (no torch).
 
-A case is a layout (Megatron-shaped tp/cp/dp/pp groups, or arbitrary ``new_group`` sets) at a world of 2 ... 1024,
+A case is a layout (Megatron-shaped tp/cp/ep/dp/pp groups, or arbitrary ``new_group`` sets) at a world of 2 ... 1024,
 every rank's program over it (collectives in one global order; pipeline stages' sends and receives, one at a time
 or in batches as an interleaved schedule posts them), and one fault on one rank: a stall before, between or inside
 an op, a crash with an exit code, an exception, a skipped op, another op or size, a slow rank, a rank that never
@@ -28,13 +28,13 @@ from lifecycle.diagnose import diagnose
 FAULTS = ("stall_before", "stall_between", "stall_inside", "crash", "raise", "skip", "other_op", "slow", "no_init")
 WORLDS = (2, 3, 4, 4, 6, 8, 8, 12, 16, 16, 24, 32, 64)
 MEGATRON_DESC = {"tp": "TENSOR_MODEL_PARALLEL_GROUP", "cp": "CONTEXT_PARALLEL_GROUP", "dp": "DATA_PARALLEL_GROUP",
-                 "pp": "PIPELINE_MODEL_PARALLEL_GROUP"}
+                 "pp": "PIPELINE_MODEL_PARALLEL_GROUP", "ep": "EXPERT_MODEL_PARALLEL_GROUP"}
 C10D = "/usr/lib/python3/site-packages/torch/distributed/distributed_c10d.py"
 P2P = "/usr/lib/python3/site-packages/megatron/core/pipeline_parallel/p2p_communication.py"
 GLOO_TIMEOUT = ("RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out "
                 "waiting 4000ms for recv operation to complete")
 NCCL_OP = {"all_reduce": "ALLREDUCE", "all_gather": "ALLGATHER", "reduce_scatter": "REDUCE_SCATTER",
-           "broadcast": "BROADCAST", "send": "SEND", "recv": "RECV"}
+           "broadcast": "BROADCAST", "all_to_all": "ALLTOALL_BASE", "send": "SEND", "recv": "RECV"}
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,7 @@ def _megatron(rng: random.Random, world: int) -> tuple[list[Group], dict[int, li
         dims[name] = rng.choice(choices)
         rest //= dims[name]
     tp, cp, pp, dp = dims["tp"], dims["cp"], dims["pp"], rest
+    ep = rng.choice([d for d in (1, 2, 4) if dp % d == 0])  # experts over blocks of the data-parallel ranks
     interleaved = pp > 1 and rng.random() < 0.5
     megatron = rng.random() < 0.5
 
@@ -103,7 +104,8 @@ def _megatron(rng: random.Random, world: int) -> tuple[list[Group], dict[int, li
     families = {"tp": (tp, lambda r, i: rank(i, *coord(r)[1:])),
                 "cp": (cp, lambda r, i: rank(coord(r)[0], i, coord(r)[2], coord(r)[3])),
                 "dp": (dp, lambda r, i: rank(coord(r)[0], coord(r)[1], i, coord(r)[3])),
-                "pp": (pp, lambda r, i: rank(*coord(r)[:3], i))}
+                "pp": (pp, lambda r, i: rank(*coord(r)[:3], i)),
+                "ep": (ep, lambda r, i: rank(coord(r)[0], coord(r)[1], coord(r)[2] // ep * ep + i, coord(r)[3]))}
     for name, (size, member) in families.items():
         if size < 2:
             continue
@@ -133,6 +135,8 @@ def _megatron(rng: random.Random, world: int) -> tuple[list[Group], dict[int, li
             pg = of.get(("pp", r))
             if interleaved and pg is not None:
                 coll("tp", "all_reduce", 16)
+                coll("ep", "all_to_all", 32)
+                coll("ep", "all_to_all", 32)
                 coll("cp", "all_gather", 8)
                 if prev is not None:  # exchange with the previous stage first, then the next: a chain, no deadlock
                     prog.append((Op(pg, "send", 4, prev), Op(pg, "recv", 4, prev)))
@@ -143,6 +147,8 @@ def _megatron(rng: random.Random, world: int) -> tuple[list[Group], dict[int, li
                 if prev is not None and pg is not None:
                     prog.append((Op(pg, "recv", 4, prev),))
                 coll("tp", "all_reduce", 16)
+                coll("ep", "all_to_all", 32)  # a zero-token rank that skips these is the "skip" fault
+                coll("ep", "all_to_all", 32)
                 coll("cp", "all_gather", 8)
                 if nxt is not None and pg is not None:
                     prog.append((Op(pg, "send", 4, nxt),))
@@ -153,7 +159,7 @@ def _megatron(rng: random.Random, world: int) -> tuple[list[Group], dict[int, li
             coll("dp", "all_reduce", 64)
             prog.append((Op(default, "all_reduce", 1),))
         programs[r] = prog
-    shape = f"megatron tp{tp} cp{cp} dp{dp} pp{pp}" + (" interleaved" if interleaved else "")
+    shape = f"megatron tp{tp} cp{cp} ep{ep} dp{dp} pp{pp}" + (" interleaved" if interleaved else "")
     layout: Layout = {name: sorted({tuple(sorted(member(r, i) for i in range(size))) for r in range(world)})
                       for name, (size, member) in families.items()}  # type: ignore[misc]
     layout = {k: [list(g) for g in v] for k, v in layout.items()}

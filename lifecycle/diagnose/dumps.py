@@ -141,7 +141,7 @@ def _entry(e: Json) -> DumpOp | None:
     p2p_seq = e.get("p2p_seq_id")
     state = e.get("state")
     peer = PEER.search(name) if p2p else None
-    op = sys.intern(PEER.sub("", name.split(":")[-1])[:80].strip())
+    op = sys.intern((PEER.sub("", name.split(":")[-1]).strip() if p2p else name.split(":")[-1])[:80])
     return DumpOp(sys.intern(pg[0][:200]), (p2p_seq if isinstance(p2p_seq, int) else 0) if p2p else seq,
                   op, sizes, int(record), "", p2p, desc, sys.intern(state[:20]) if isinstance(state, str) else "",
                   int(peer.group(2)) if peer else None)  # send a->b, recv a<-b: a is the rank, b its peer

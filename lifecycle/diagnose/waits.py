@@ -79,11 +79,6 @@ class Graph:
     def roots(self) -> list[int]:
         return sorted(r for r in self.named if r in self.free)
 
-    @property
-    def suspects(self) -> list[int]:
-        """Ranks others wait for that are not proven free (they may themselves wait for a rank not heard from)."""
-        return sorted(r for r in self.named if r not in self.free)
-
     def first_wait(self, culprits: list[int]) -> Wait | None:
         """The wait that shows the first op of the culprits' own program order they never entered.
 
@@ -360,13 +355,8 @@ def _judge_log(ev: Evidence, g: Graph, rank: int) -> None:
         g.unresolved[rank] = [wait.group]
 
 
-def role(ev: Evidence, group: str) -> str:
-    """What a group is across ranks: its description when it has one (every tp group is "tp"), else its name."""
-    desc = ev.descs.get(group, "")
-    return desc if desc and desc != "undefined" else group
-
-
 MAX_COMPARED = 128
+"""At most this many ranks of a cycle are compared pairwise (their programs, on the groups each pair shares)."""
 
 
 def departed(ev: Evidence, ranks: list[int]) -> int | None:

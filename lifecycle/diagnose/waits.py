@@ -61,6 +61,8 @@ class Graph:
     """group -> the highest op some rank is proven to have left there (:func:`finished`)."""
     known: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     """group -> (position, member) of the members whose position there is known, lowest first."""
+    p2p: dict[int, Counter[tuple[str, int, bool]]] = field(default_factory=dict)
+    """rank -> its sends and receives by (group, peer, is a send), counted once."""
     hidden: dict[int, str] = field(default_factory=dict)
     """rank -> why its gloo dump, which shows it left every collective it entered, does not prove it free (it may
     wait in a send or receive, which gloo does not record)."""
@@ -288,25 +290,25 @@ def _open_p2p(ev: Evidence, g: Graph, rank: int, dump: F.Dump) -> list[tuple[F.D
     (None: the peer or its progress is not known, or it entered the matching op and neither is recorded finished).
     The k-th send to a peer matches the peer's k-th receive."""
     out: list[tuple[F.DumpOp, int | None]] = []
-    sent: dict[tuple[str, int, bool], tuple[int, F.DumpOp]] = {}
-    # gloo: a collective call returns when it is done, so a rank past a later collective left every earlier batch
-    # of sends and receives (they are waited for together); NCCL: only the recorded state tells
+    # gloo records no send or receive (:func:`unrecorded_p2p`); where a dump has them, a collective call that
+    # returned after a batch of them proves the rank left the batch (it waits for its sends and receives together)
     past = -1 if dump.states else max((op.record for op in dump.ops if not op.p2p), default=-1)
+    last: dict[tuple[str, int, bool], F.DumpOp] = {}
     for op in dump.ops:
         if not op.p2p or op.record < past or (dump.states and op.state == "completed"):
             continue
         peer = _peer_of(g, rank, op)
         if peer is None:
             out.append((op, None))
-            continue
-        key = (op.group, peer, "send" in op.op)
-        sent[key] = (_count(dump, op.group, rank, peer, "send" in op.op, g, upto=op.record), op)
-    for (group, peer, is_send), (mine, op) in sent.items():
+        else:
+            last[(op.group, peer, "send" in op.op)] = op
+    for (group, peer, is_send), op in last.items():
         other = ev.dumps.get(peer)
         if other is None or other.wrapped or dump.wrapped:
             out.append((op, None))
             continue
-        theirs = _count(other, group, peer, rank, not is_send, g, upto=None)
+        mine = _p2p_counts(g, rank, dump).get((group, peer, is_send), 0)
+        theirs = _p2p_counts(g, peer, other).get((group, rank, not is_send), 0)
         # the peer entered the matching op too, and nothing says it finished: both in, none out
         out.append((op, peer if theirs < mine else None))
     return out
@@ -322,14 +324,16 @@ def _peer_of(g: Graph, rank: int, op: F.DumpOp) -> int | None:
     return others[0] if len(mem) == 2 and len(others) == 1 else None
 
 
-def _count(dump: F.Dump, group: str, rank: int, peer: int, sends: bool, g: Graph, upto: int | None) -> int:
-    n = 0
-    for op in dump.ops:
-        if upto is not None and op.record > upto:
-            break
-        if op.p2p and op.group == group and ("send" in op.op) == sends and _peer_of(g, rank, op) == peer:
-            n += 1
-    return n
+def _p2p_counts(g: Graph, rank: int, dump: F.Dump) -> Counter[tuple[str, int, bool]]:
+    """(group, peer, is a send) -> how many such ops the rank's dump holds (counted once per rank)."""
+    found = g.p2p.get(rank)
+    if found is None:
+        found = Counter()
+        for op in dump.ops:
+            if op.p2p and (peer := _peer_of(g, rank, op)) is not None:
+                found[(op.group, peer, "send" in op.op)] += 1
+        g.p2p[rank] = found
+    return found
 
 
 def _judge_log(ev: Evidence, g: Graph, rank: int) -> None:
@@ -357,6 +361,8 @@ def _judge_log(ev: Evidence, g: Graph, rank: int) -> None:
 
 MAX_COMPARED = 128
 """At most this many ranks of a cycle are compared pairwise (their programs, on the groups each pair shares)."""
+COMPARE_BUDGET = 20_000_000
+"""At most this many op comparisons (a few seconds): fewer ranks are compared when their dumps are long."""
 
 
 def departed(ev: Evidence, ranks: list[int]) -> int | None:
@@ -372,6 +378,12 @@ def departed(ev: Evidence, ranks: list[int]) -> int | None:
     if len(ranks) < 3 or any(ev.dumps[r].wrapped for r in ranks):
         return None
     progs = {r: [(o.group, o.op) for o in ev.dumps[r].ops if not o.p2p] for r in ranks}
+    longest = max(len(p) for p in progs.values()) or 1
+    fits = int((2 * COMPARE_BUDGET / longest) ** 0.5)  # n ranks cost n^2/2 comparisons of at most `longest` ops
+    if fits < len(ranks):
+        if fits < 3:
+            return None
+        ranks = ranks[:fits]
     groups = {r: {g for g, _ in p} for r, p in progs.items()}
     conflicts: dict[int, set[int]] = {r: set() for r in ranks}
     for i, a in enumerate(ranks):

@@ -267,6 +267,7 @@ class Job:
 
     def report(self, **metrics: float) -> None:
         """Metrics of the running step (``loss``; ``wait_s``: time spent waiting on peers, not compute)."""
+        self._open("report")
         self.loop.report(**metrics)
 
     @contextmanager
@@ -358,9 +359,11 @@ class Job:
 
     def fail(self, exc: BaseException) -> NoReturn:
         """Take the failure edge for ``exc`` (abort, report) and leave the process now with the policy's exit code
-        (no ``finally``, no atexit: for a trainer that must not run on)."""
-        if not self.closed:
-            self._fail_part(exc)
+        (no ``finally``, no atexit: for a trainer that must not run on). After :meth:`close` it is a UsageError,
+        like every call but ``close`` itself (safe twice)."""
+        if self.closed:
+            self._open("fail")
+        self._fail_part(exc)
         self._leave(self.exit_code or 1)
 
     def __enter__(self) -> Job:

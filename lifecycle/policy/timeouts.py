@@ -14,6 +14,7 @@ Pure Python: no torch.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -53,11 +54,17 @@ def signal_lead_s(policy: Policy, env: Mapping[str, str] | None = None) -> tuple
     """The scheduler's signal lead and where it comes from (None when nobody said)."""
     if policy.checkpoint.signal_lead_s is not None:
         return float(policy.checkpoint.signal_lead_s), "checkpoint.signal_lead_s"
-    raw = (os.environ if env is None else env).get(ENV_SIGNAL_LEAD, "").strip()
+    lead = _env_lead((os.environ if env is None else env).get(ENV_SIGNAL_LEAD, ""))
+    return (lead, ENV_SIGNAL_LEAD) if lead is not None else (None, None)
+
+
+def _env_lead(raw: str) -> float | None:
+    """The signal lead the environment gives: seconds > 0 and finite, else None (:func:`issues` refuses it)."""
     try:
-        return (float(raw), ENV_SIGNAL_LEAD) if raw and float(raw) > 0 else (None, None)
+        value = float(raw.strip())
     except ValueError:
-        return None, None
+        return None
+    return value if math.isfinite(value) and value > 0 else None
 
 
 @dataclass(frozen=True)
@@ -106,6 +113,11 @@ def issues(policy: Policy, env: Mapping[str, str] | None = None, *, last_save_s:
     save took (its summary), when known."""
     ck, td = policy.checkpoint, policy.teardown
     out: list[PolicyIssue] = []
+    raw = (os.environ if env is None else env).get(ENV_SIGNAL_LEAD)
+    if raw is not None and raw.strip() and _env_lead(raw) is None:
+        out.append(PolicyIssue(
+            ENV_SIGNAL_LEAD, "(environment) is not a number of seconds > 0: unset it, or set it to the seconds from "
+            "the scheduler's signal to its kill (the sbatch example sets it from its own --signal)", raw[:80]))
     lead, source = signal_lead_s(policy, env)
     needed = ck.grace_s + td.deadline_s
     if ck.on_signal and lead is not None and lead < needed:

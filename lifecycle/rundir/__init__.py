@@ -47,6 +47,8 @@ ATTEMPT = "attempt"
 ATTEMPTS_DIR = "attempts"
 ENV_RUN_DIR = "LIFECYCLE_RUN_DIR"
 ENV_ATTEMPT = "LIFECYCLE_ATTEMPT"
+MAX_ATTEMPT = 1_000_000
+"""The largest attempt number a run directory may record (a run restarted every second for eleven days)."""
 # What belongs to one attempt (moved to attempts/<N>/ before the next one starts); checkpoints stay.
 _PER_ATTEMPT = (EVENTS_DIR, LOGS_DIR, SHUTDOWN_MARKER, HANG_REPORT, SUMMARY, TRACE, TIMELINE_PNG, RESOLVED, SHA256,
                 OVERRIDES)
@@ -133,12 +135,12 @@ def current_attempt(run_dir: Path) -> int:
     text = safeio.read_text(path, limit=64)  # a FIFO or junk there is an error naming it, never a hang
     if text is None:
         return 1 if holds_run(run_dir) else 0
-    try:
-        return max(int(text.strip()), 1)
-    except ValueError:
-        raise safeio.RunDirError(f"{path}: holds {text.strip()[:40]!r}, not an attempt number; lifecycle writes it "
-                                 f"(fix it, or remove it to count from the attempts/ folders)",
-                                 path=str(path)) from None
+    raw = text.strip()
+    if not (raw.isdigit() and raw.isascii() and len(raw) <= len(str(MAX_ATTEMPT)) and int(raw) <= MAX_ATTEMPT):
+        raise safeio.RunDirError(f"{path}: holds {raw[:40]!r}, not an attempt number (1 ... {MAX_ATTEMPT}); "
+                                 f"lifecycle writes it (fix it, or remove it to count from the attempts/ folders)",
+                                 path=str(path))
+    return max(int(raw), 1)
 
 
 def archive_attempt(run_dir: Path) -> int:

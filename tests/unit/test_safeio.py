@@ -148,6 +148,12 @@ def test_the_run_directory_files_never_block(tmp_path: Path) -> None:
     (tmp_path / rundir.ATTEMPT).write_text("banana\n")
     with pytest.raises(safeio.RunDirError, match="holds 'banana', not an attempt number"):
         rundir.current_attempt(tmp_path)
+    for junk in ("99999999999999999999999", "-3", "1e3", "٣", "2.0"):  # bounded, plain decimal digits only
+        (tmp_path / rundir.ATTEMPT).write_text(f"{junk}\n")
+        with pytest.raises(safeio.RunDirError, match="not an attempt number"):
+            rundir.current_attempt(tmp_path)
+    (tmp_path / rundir.ATTEMPT).write_text(f"{rundir.MAX_ATTEMPT}\n")
+    assert rundir.current_attempt(tmp_path) == rundir.MAX_ATTEMPT
     _fifo(tmp_path / rundir.ATTEMPTS_DIR / "1" / rundir.SUMMARY)
     (tmp_path / rundir.ATTEMPTS_DIR / "2").mkdir()
     (tmp_path / rundir.ATTEMPTS_DIR / "2" / rundir.SUMMARY).write_text("[" * 100_000)

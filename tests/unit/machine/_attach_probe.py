@@ -59,6 +59,12 @@ out["close"] = job.close()
 out["close_again"] = job.close()
 expect("steps_after_close", lambda: job.steps(5))
 expect("boundary_after_close", lambda: job.boundary(1))
+after_close = {"watch": lambda: job.watch(model, opt), "step": lambda: job.step(4).__enter__(),
+               "report": lambda: job.report(loss=1.0), "phase": lambda: job.phase("evaluate").__enter__(),
+               "save": lambda: job.save(4), "checkpoint": lambda: job.checkpoint(4).__enter__(),
+               "fail": lambda: job.fail(RuntimeError("after close"))}
+for call, fn in after_close.items():
+    expect(f"{call}_after_close", fn)
 
 again = lifecycle.attach(overrides=OVR)
 fresh = torch.nn.Linear(4, 1)

@@ -56,6 +56,9 @@ def test_caller_mistakes_are_clear_errors_and_a_closed_job_can_be_attached_again
     assert "total must be an integer >= 0 (got -1)" in out["steps_negative"][1]
     assert out["steps_done"] == [1, 2, 3] and out["close"] == 0 and out["close_again"] == 0
     assert "this Job is closed" in out["steps_after_close"][1] and "this Job is closed" in out["boundary_after_close"][1]
+    for call in ("watch", "step", "report", "phase", "save", "checkpoint", "fail"):  # every call names itself
+        assert out[f"{call}_after_close"][:2] == ["UsageError", f"job.{call}(): this Job is closed (its teardown ran); "
+                                                                f"attach again for a new run"], (call, out)
     assert out["resumed"] == 3 and out["weights_restored"] is True and out["steps_again"] == [4, 5]
     assert out["save_unwatched"][0] == "UsageError" and "no model is watched" in out["save_unwatched"][1]
     assert "job.steps() before job.watch()" in out["steps_before_watch"][1]

@@ -46,6 +46,17 @@ def test_a_scheduler_lead_shorter_than_the_save_and_exit_is_refused_naming_the_k
         validate({})
 
 
+@pytest.mark.parametrize("raw", ["abc", "0", "-5", "nan", "inf", "1e999", "12s"])
+def test_a_signal_lead_in_the_environment_that_is_no_seconds_is_refused_naming_the_variable(
+        monkeypatch: pytest.MonkeyPatch, raw: str) -> None:
+    monkeypatch.setenv(timeouts.ENV_SIGNAL_LEAD, raw)
+    with pytest.raises(PolicyError, match=rf"LIFECYCLE_SIGNAL_LEAD_S: \(environment\) is not a number of seconds > 0"
+                                          rf".*\(got '{raw}'\)"):
+        validate({"checkpoint": {"grace_s": 20}, "teardown": {"deadline_s": 40}})
+    monkeypatch.setenv(timeouts.ENV_SIGNAL_LEAD, " ")  # set but empty: nobody said
+    validate({})
+
+
 def test_a_grace_shorter_than_the_runs_last_save_is_refused_before_launch(tmp_path: Path) -> None:
     from lifecycle.machine.rankdir import preflight
 

@@ -1,3 +1,10 @@
-from lifecycle.cli import main
+import sys
+
+if "run" in sys.argv[1:]:  # a stop signal from the first instruction on is recorded and honoured, never fatal
+    from lifecycle.launch.signals import record_early
+
+    record_early()
+
+from lifecycle.cli import main  # noqa: E402 - after the signals are recorded
 
 raise SystemExit(main())

@@ -63,6 +63,8 @@ class LaunchResult:
         if self.first_failure is not None:
             line = f"rank {self.first_failure} failed first ({self.how})"
             line += f" in phase {self.phase}" if self.phase else ""
+        elif self.stopped_by and not self.per_rank:
+            line = f"stopped on {self.stopped_by} before any rank started (nothing to save)"
         elif self.stopped_by:
             line = f"stopped on {self.stopped_by}, " + ("every rank exited cleanly" if self.exit_code == 0
                                                         else f"exit {self.exit_code}")
@@ -126,6 +128,8 @@ def launch_local(argv: list[str], nproc: int, run_dir: Path, *, env: dict[str, s
     from torch.distributed.elastic.multiprocessing import start_processes
 
     with SignalTrap() as trap:
+        if trap.received:
+            return _not_started(trap, start)
         with torch_leaves_our_signals():
             pc = start_processes(
                 name="lifecycle", entrypoint="/bin/sh", envs=envs,
@@ -140,6 +144,14 @@ def launch_local(argv: list[str], nproc: int, run_dir: Path, *, env: dict[str, s
         finally:
             pc.close(timeout=1)  # normally all reaped by now: this only stops the log tailers
             del store  # the store server lives exactly as long as the ranks
+
+
+def _not_started(trap: SignalTrap, start: float) -> LaunchResult:
+    """A stop signal came before any rank started: none is started, there is nothing to save (exit 0, the
+    exit-code table's stop before training)."""
+    sig = trap.received[0]
+    print(f"lifecycle: {sig.name} before any rank started: none is started, nothing to save", flush=True)
+    return LaunchResult(0, None, None, None, {}, time.monotonic() - start, sig.name)
 
 
 def _watch(procs: dict[int, Any], trap: SignalTrap, run_dir: Path, kill_grace_s: float, preempt_grace_s: float,
@@ -193,6 +205,8 @@ def _launch_forked(zygote: preload_mod.Zygote, argv: list[str], envs: dict[int, 
                    dict.fromkeys(console, ""))
     started = False
     with SignalTrap() as trap:
+        if trap.received:
+            return _not_started(trap, start)
         try:
             procs: dict[int, Any] = {}
             for r, rank_env in envs.items():

@@ -78,7 +78,7 @@ def launch(policy: Policy, nproc: int, *, overrides: Sequence[str] = ()) -> int:
     try:
         # Between attempts too, SIGINT/SIGTERM are a stop request: no next attempt starts (the launcher's own trap
         # takes over while ranks run).
-        with SignalTrap() as trap:
+        with SignalTrap(tuple(policy.checkpoint.signals)) as trap:
             return _launch(policy, nproc, run_dir, overrides, trap)
     finally:
         release_run_dir(run_dir)
@@ -107,10 +107,12 @@ def _launch(policy: Policy, nproc: int, run_dir: Path, overrides: Sequence[str],
 def _attempts(policy: Policy, nproc: int, run_dir: Path, overrides: Sequence[str], trap: SignalTrap,
               pool: PreloadPool) -> int:
     left = policy.restart.max_restarts
+    failed: int | None = None  # the exit code of the attempt that failed before this one
     while True:
-        if trap.received:
-            print(f"lifecycle: {trap.received[0].name}: not starting an attempt", file=sys.stderr, flush=True)
-            return 128 + trap.received[0]
+        if trap.received and failed is not None:  # a stop between attempts: no next one; the failure stands
+            print(f"lifecycle: {trap.received[0].name}: not starting another attempt (the last one failed, exit "
+                  f"{failed})", file=sys.stderr, flush=True)
+            return failed
         refused = _refusal(policy, run_dir)
         if refused is not None:
             print(f"lifecycle: {refused}", file=sys.stderr, flush=True)
@@ -125,6 +127,7 @@ def _attempts(policy: Policy, nproc: int, run_dir: Path, overrides: Sequence[str
                   f"restarting", file=sys.stderr, flush=True)
             return code
         left -= 1
+        failed = code
         done = policy.restart.max_restarts - left
         blame = info.get("blame") or {}
         who = (f"ranks {fmt_ranks(blame['ranks'])} ({blame.get('cause')} in phase {blame.get('phase')})"

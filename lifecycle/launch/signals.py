@@ -1,5 +1,7 @@
-"""The launcher's signals: SIGINT/SIGTERM recorded as a stop request while the launcher runs ranks (and between its
-attempts), every handler torch or we replaced restored afterwards.
+"""The launcher's signals: SIGINT, SIGTERM, SIGHUP and SIGUSR1 recorded as a stop request from the launcher's first
+instruction (:func:`record_early`) to its last — while it prepares an attempt, runs ranks, and between attempts —,
+every handler torch or we replaced restored afterwards. A rank records them from its first instruction too, and its
+session acts on what came before it took over.
 
 torch's ``PContext.start`` replaces the handlers of the signals ``TORCHELASTIC_SIGNALS_TO_HANDLE`` names with ones
 that raise; while it spawns the ranks it is given only those we do not trap (:func:`torch_leaves_our_signals`).
@@ -14,33 +16,77 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
+"""The stop signals of ``lifecycle run``: SIGTERM (schedulers, Kubernetes), SIGINT (Ctrl-C), SIGHUP (a closed terminal
+or ssh session) and SIGUSR1 (SLURM's ``--signal=USR1@lead``): each is a preemption request, from the launcher's first
+instruction to its last (docs/running.md)."""
+_EARLY: list[signal.Signals] = []
+_ACTIVE: list[SignalTrap] = []
+
+
+def record_early() -> None:
+    """From a process's first instruction: record the stop signals instead of dying of them, until their owner (the
+    launcher's :class:`SignalTrap`, a rank's session) takes them over and acts on what came (:func:`take_early`)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in STOPS:
+        signal.signal(sig, _record)
+
+
+def _record(signum: int, frame: object) -> None:
+    _EARLY.append(signal.Signals(signum))
+
+
+def take_early(keep: set[signal.Signals] | None = None) -> list[signal.Signals]:
+    """The stop signals recorded since :func:`record_early`, once. ``keep``: the signals the caller now handles
+    itself; the others get their default action back (a rank's session owns its policy's signals only)."""
+    found = list(_EARLY)
+    _EARLY.clear()
+    if keep is not None and threading.current_thread() is threading.main_thread():
+        for sig in STOPS:
+            if sig not in keep and signal.getsignal(sig) is _record:
+                signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+    return found
+
 
 class SignalTrap:
-    """Records SIGINT/SIGTERM sent to the launcher; restores every handler torch or we replaced."""
+    """Records the stop signals (:data:`STOPS`, and ``extra`` ones: the policy's ``checkpoint.signals``) sent to the
+    launcher; restores every handler torch or we replaced. A trap entered inside another shares what it received
+    (a signal that came while the launcher prepared an attempt is the attempt's too); the first one takes what came
+    before it (:func:`record_early`)."""
 
-    _TRAPPED = (signal.SIGINT, signal.SIGTERM)
+    _TRAPPED = STOPS
 
-    def __init__(self) -> None:
+    def __init__(self, extra: tuple[str, ...] = ()) -> None:
         self.received: list[signal.Signals] = []
         self._saved: dict[signal.Signals, Any] = {}
+        self._trapped = set(self._TRAPPED) | {s for n in extra if isinstance(s := getattr(signal, n, None),
+                                                                            signal.Signals)}
 
     def __enter__(self) -> SignalTrap:
+        if _ACTIVE:
+            self.received = _ACTIVE[-1].received
+        else:
+            self.received.extend(take_early())
+        _ACTIVE.append(self)
         if threading.current_thread() is threading.main_thread():
             # The same list PContext.start reads to decide which handlers to take over.
             names = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
-            sigs = {getattr(signal, n.strip(), None) for n in names.split(",")} | set(self._TRAPPED)
+            sigs = {getattr(signal, n.strip(), None) for n in names.split(",")} | self._trapped
             self._saved = {s: signal.getsignal(s) for s in sigs if isinstance(s, signal.Signals)}
             self.arm()
         return self
 
     def arm(self) -> None:
         for s, old in self._saved.items():
-            signal.signal(s, self._on_signal if s in self._TRAPPED else _handler(old))
+            signal.signal(s, self._on_signal if s in self._trapped else _handler(old))
 
     def _on_signal(self, signum: int, frame: object) -> None:
         self.received.append(signal.Signals(signum))
 
     def __exit__(self, *exc: object) -> None:
+        if _ACTIVE and _ACTIVE[-1] is self:
+            _ACTIVE.pop()
         for s, old in self._saved.items():
             signal.signal(s, _handler(old))
 
@@ -52,7 +98,7 @@ def torch_leaves_our_signals() -> Iterator[None]:
     take the ones we do not trap, so that a SIGINT/SIGTERM in that moment is recorded by ours like any other."""
     name = "TORCHELASTIC_SIGNALS_TO_HANDLE"
     before = os.environ.get(name)
-    os.environ[name] = "SIGHUP,SIGQUIT"
+    os.environ[name] = "SIGQUIT"
     try:
         yield
     finally:

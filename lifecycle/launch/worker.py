@@ -14,6 +14,9 @@ from lifecycle.errors import ExitCode, LifecycleError, exit_code
 
 
 def main(argv: list[str] | None = None) -> int:
+    from lifecycle.launch.signals import record_early
+
+    record_early()  # a stop that comes before the rank's session takes over is acted on by it, not fatal
     from lifecycle.launch.parent import die_with_launcher
     from lifecycle.machine.session import run_rank
     from lifecycle.obs.logconfig import setup_logging

@@ -1,7 +1,7 @@
 import sys
 
 if "run" in sys.argv[1:]:  # a stop signal from the first instruction on is recorded and honoured, never fatal
-    from lifecycle.launch.signals import record_early
+    from lifecycle.machine.stops import record_early
 
     record_early()
 

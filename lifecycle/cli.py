@@ -282,7 +282,7 @@ def _command(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "run":  # a stop signal from here on is recorded and honoured, never lost nor fatal
-        from lifecycle.launch.signals import record_early
+        from lifecycle.machine.stops import record_early
 
         record_early()
     if args.command in ("run", "timeline"):  # `lifecycle run | head`: the job still runs to its end, with its code

@@ -206,7 +206,7 @@ def _child(request: dict[str, Any], keep_closed: Sequence[int]) -> None:
     code = 1
     try:
         from lifecycle.launch.parent import die_with
-        from lifecycle.launch.signals import record_early
+        from lifecycle.machine.stops import record_early
 
         record_early()  # a stop that comes before the rank's session takes over is acted on by it, not fatal
 

@@ -14,7 +14,7 @@ from lifecycle.errors import ExitCode, LifecycleError, exit_code
 
 
 def main(argv: list[str] | None = None) -> int:
-    from lifecycle.launch.signals import record_early
+    from lifecycle.machine.stops import record_early
 
     record_early()  # a stop that comes before the rank's session takes over is acted on by it, not fatal
     from lifecycle.launch.parent import die_with_launcher

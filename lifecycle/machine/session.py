@@ -93,7 +93,7 @@ def install_signals(ctx: RunContext, orchestrator: Orchestrator, *, own_loop: bo
             chained[sig] = before  # the trainer's: SIG_DFL/SIG_IGN and Python's KeyboardInterrupt are not chained
     if not own_loop:  # a rank stuck before training never reaches the flag's step (lifecycle.machine.blocked_stop)
         WATCHER.watch(ctx, orchestrator, set(saved))
-    from lifecycle.launch.signals import take_early
+    from lifecycle.machine.stops import take_early
 
     for sig in take_early({signal.Signals(s) for s in saved}):  # what came while the rank started (lifecycle.launch.signals.record_early)
         if sig in saved:

@@ -107,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verdict", help="the exit code a run's ranks ended with, as a scheduler should act on it "
                        "(torchrun exits 1 for any failed worker): prints one line, exits with that code")
     p.add_argument("run_dir", help="the run directory")
+    p.add_argument("--unfinished-code", type=_int_in(1, 255, ""), metavar="N",
+                   help="exit N instead of 0 when every rank exited 0 but a stop signal saved the run before its last "
+                        "step (a preemption: a launch script requeues it; examples/slurm.sbatch uses 75)")
     p = sub.add_parser("timeline", help="merge a run's per-rank events into a Chrome/Perfetto trace and a PNG")
     p.add_argument("run_dir", help="the run directory")
     p.add_argument("--out", "-o", help="trace file (default RUN_DIR/trace.json; .json.gz compresses)")
@@ -214,6 +217,8 @@ def _verdict(args: argparse.Namespace) -> int:
     hosts = exclusions.record(run_dir, info) if code else []
     print(f"lifecycle: run {run_dir}: {line}" + (f"; hosts to exclude: {run_dir / exclusions.HOSTLIST}"
                                                   if hosts else ""), flush=True)
+    if code == 0 and args.unfinished_code is not None and summary.unfinished(info):
+        return int(args.unfinished_code)  # a launch script's cue: requeue it, it is not done
     return code
 
 

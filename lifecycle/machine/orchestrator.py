@@ -291,5 +291,6 @@ class Orchestrator:
             restarts.record_end(ctx.run_dir, ctx.attempt, code)
         ctx.events.instant("exit", exit_code=code, step=ctx.step, saved=ctx.progress.saved or None,
                            resumed_from=ctx.progress.resumed_from, stop_step=ctx.progress.stop.stop_step,
+                           stop_signal=ctx.progress.stop.preempt_signal, train_steps=ctx.policy.train.steps,
                            warmup_s=ctx.progress.warmup_s or None)
         ctx.events.close()

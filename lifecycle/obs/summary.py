@@ -304,6 +304,8 @@ def build(run_dir: Path, launch: Any | None = None) -> dict[str, Any]:
         "hang_report_file": str(Path(run_dir) / HANG_REPORT) if (Path(run_dir) / HANG_REPORT).is_file() else None,
         "resumed_from": exit0.get("resumed_from"),
         "stop_step": exit0.get("stop_step"),
+        "stop_signal": exit0.get("stop_signal"),
+        "train_steps": exit0.get("train_steps"),
         "last_step": exit0.get("step"),
         "attempt": int((_last(rank0, "attempt") or {}).get("attempt", 1)),  # the agreed one, when the ranks differed
         "nccl_env": (_last(rank0, "nccl_env") or {}).get("env"),
@@ -367,12 +369,25 @@ def verdict(s: dict[str, Any], *, rank_failed: int = 4) -> tuple[int, str]:
         return 2, "no rank of this run left an event: not a lifecycle run directory, or it never started"
     failed = {r: (c if isinstance(c, int) else rank_failed) for r, c in codes.items() if c != 0}
     if not failed:
-        return 0, f"all {len(codes)} ranks exited 0"
+        left = unfinished(s)
+        return 0, f"all {len(codes)} ranks exited 0" + (f"; preempted at step {s['stop_step']}, saved ({left})"
+                                                          if left else "")
     b = s.get("blame") or {}
     blamed = [r for r in b.get("ranks") or [] if r in failed]
     rank = blamed[0] if blamed else min(failed)
     why = f" ({b.get('cause')} in phase {b.get('phase')})" if b.get("cause") else ""
     return failed[rank], f"exit {failed[rank]}: rank {rank}{why}; ranks not exiting 0: {sorted(failed)}"
+
+
+def unfinished(s: dict[str, Any]) -> str | None:
+    """Why a run whose ranks all exited 0 is not finished: a stop signal saved it before its last step (a preemption:
+    it resumes when started again). None when it ran to its end, failed, or says nothing of it."""
+    stop, total = s.get("stop_step"), s.get("train_steps")
+    if not isinstance(stop, int) or (isinstance(total, int) and stop >= total):
+        return None
+    sig = f"{s['stop_signal']}, " if s.get("stop_signal") else ""
+    of = f"step {stop} of {total}" if isinstance(total, int) else f"step {stop}"
+    return f"{sig}{of}: unfinished, running it again resumes from that save"
 
 
 def write(run_dir: Path, summary: dict[str, Any]) -> Path:

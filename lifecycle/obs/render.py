@@ -89,9 +89,7 @@ def render(s: dict[str, Any]) -> str:
     if s.get("resumed_from") is not None:
         lines.append(f"resumed  from step {s['resumed_from']}")
     if s.get("stop_step") is not None:
-        from lifecycle.obs.summary import unfinished
-
-        left = unfinished(s)
+        left = s.get("unfinished")
         lines.append(f"stopped  preempted at step {s['stop_step']}, saved" + (f" ({left})" if left else ""))
     lines += _checkpoints(s)
     if s["zero_token_events"]:

@@ -321,6 +321,7 @@ def build(run_dir: Path, launch: Any | None = None) -> dict[str, Any]:
     if launch is not None:
         summary.update(exit_code=launch.exit_code, outcome=launch.describe(), wall_s=round(launch.wall_s, 2),
                        first_failure=launch.first_failure, failed_phase=launch.phase)
+    summary["unfinished"] = unfinished(summary)  # a stop signal saved it before its last step: it resumes when run again
     summary["blame"] = blame(run_dir, summary)
     b = summary["blame"]
     if launch is not None and b and b.get("source") != "launcher" and b.get("ranks") \

@@ -4,7 +4,8 @@ A rank's position on a group is the highest collective sequence number it entere
 Recorder dump, or from ProcessGroupNCCL's ``last enqueued work`` lines. A record proves that the rank *entered* an
 op, never that it *left* it: gloo records every op as ``scheduled``. An op is proven finished only by its recorded
 ``completed`` state (NCCL), or, on gloo, whose collective calls return when the op is done, by a later record of the
-same rank. A rank waits *for* the members of a group whose own position there is known and below the op it has
+same rank. (The one assumption: a gloo collective was issued synchronously; one issued with ``async_op=True`` and
+waited for later would be taken as left by the records that follow it.) A rank waits *for* the members of a group whose own position there is known and below the op it has
 not finished: they never entered it.
 
 A rank is *free* when every op it entered can finish: each is recorded completed, left by a later gloo record, or

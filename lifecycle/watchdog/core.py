@@ -62,6 +62,7 @@ Refusal = Callable[["WatchedRun", "str | None", str], "str | None"]
 CONNECT_ATTEMPT_S = 1.0  # one attempt of the side channel's connect (retried until the init deadline)
 STRAGGLER_EVERY_S = 1.0  # rank 0 compares the compute medians at most this often
 FRESHEN_MAX = 64  # dead or silent ranks whose events file is read to freshen their record
+FRESH_POLLS = 1.5  # a report waits at most this many polls for the running peers' records published after it
 FULL_VIEW_MAX = 1024  # above this world size a rank reads only the records it needs for its own line
 
 
@@ -315,12 +316,12 @@ class Watchdog:
         return d
 
     def _diagnose(self, cause: Cause, ch: BoundedChannel[SideChannel]) -> diagnosis.Diagnosis:
-        if not cause.urgent:
-            # Peers that still move publish once per poll: give them one to show where the failure found them.
-            time.sleep(min(self.cfg.poll_interval_s, 0.5))
         wanted = self._ranks_to_read(cause)
         ch.wait_connected(ch.op_timeout_s)  # a report early in the run may come while the client still connects
         read = self._safe(lambda c: c.records(wanted), ch)
+        if read is not None and not cause.urgent:
+            read = fresh_records(read, lambda ranks: self._safe(lambda c: c.records(ranks), ch), self.rank,
+                                 self.cfg.poll_interval_s)
         records: dict[int, JsonDict | None] = read or {}
         unreachable = None
         if read is None and not ch.absent:
@@ -439,6 +440,31 @@ class Watchdog:
         if self.ctx.compute is not None:
             extra.update(self.ctx.compute.fields())
         return extra
+
+
+
+def fresh_records(first: dict[int, JsonDict | None], read: Callable[[list[int]], dict[int, JsonDict | None] | None],
+                  me: int, poll_s: float) -> dict[int, JsonDict | None]:
+    """The records as published after a cause reached rank ``me``: each running peer publishes once per poll, and
+    a record written before the stall was seen (a peer shown in the op before the one it now waits in) would name
+    the wrong rank or nobody. ``read`` is re-called for the peers still to publish (every quarter poll) until each
+    has, at most ``FRESH_POLLS`` polls; a peer that does not (frozen, cut off) keeps its last record — its age
+    says so. ``read`` returning None (the store does not answer) ends the wait."""
+    seen = {r: rec.get("t") for r, rec in first.items()
+            if r != me and rec is not None and rec.get("state") == "running"}
+    records = dict(first)
+    end = time.monotonic() + FRESH_POLLS * poll_s
+    while seen and time.monotonic() < end:
+        time.sleep(poll_s / 4)
+        again = read(sorted(seen))
+        if again is None:
+            break
+        for r, rec in again.items():
+            if rec is not None:
+                records[r] = rec
+                if rec.get("t") != seen.get(r) or rec.get("state") != "running":
+                    seen.pop(r, None)
+    return records
 
 
 def abort_and_exit(ctx: WatchedRun, code: int, *, by: str = "watchdog") -> None:

@@ -292,6 +292,36 @@ def test_side_channel_records_alarm_and_heartbeats(channel: SideChannel) -> None
     assert dead is not None and dead.kind == "unresponsive" and list(dead.dead) == [0] and dead.urgent
 
 
+def test_a_report_reads_the_records_peers_publish_after_the_stall_not_before(channel: SideChannel) -> None:
+    from lifecycle.watchdog.core import fresh_records
+
+    def rec(rank: int, op: list[Any], begun: dict[str, int], t: float, **more: Any) -> dict[str, Any]:
+        return {"rank": rank, "state": "running", "op": op, "ranks": [0, 1, 2], "begun": begun, "t": t, **more}
+
+    step, reduce = ["step", "world", 19, 3], ["grad_reduce", "dp", 6, 3]
+    me = rec(0, reduce, {"world": 19, "dp": 6}, 10.0, blocked="collective")
+    channel.announce(1, rec(1, step, {"world": 19, "dp": 5}, 1.0))  # published before it reached the reduce
+    channel.announce(2, rec(2, step, {"world": 19, "dp": 5}, 1.0, blocked="own code"))  # frozen: never again
+    channel.announce(3, {"rank": 3, "state": "exited", "t": 1.0})
+    first = {**channel.records([1, 2, 3]), 0: me}
+    stale = diagnosis.diagnose("hang", "rank 2 stuck", first, 3, origin=2)
+    assert stale.culprits == [1, 2]  # rank 1's old record shows it behind: a wrong name
+
+    later = threading.Timer(0.2, lambda: channel.publish(1, rec(1, reduce, {"world": 19, "dp": 6}, 2.0)))
+    later.start()
+    t0 = time.monotonic()
+    records = fresh_records(first, channel.records, 0, poll_s=0.4)
+    took = time.monotonic() - t0
+    later.join()
+    assert records[1]["t"] == 2.0 and records[2]["t"] == 1.0 and records[3]["state"] == "exited"
+    assert 0.2 <= took < 1.0, took  # rank 1 published at 0.2 s; frozen rank 2 bounds the wait at 1.5 polls
+    assert diagnosis.diagnose("hang", "rank 2 stuck", records, 3, origin=2).culprits == [2]
+    # the store stops answering: the wait ends at once with what was read
+    t0 = time.monotonic()
+    assert fresh_records(first, lambda ranks: None, 0, poll_s=0.4)[1]["t"] == 1.0
+    assert time.monotonic() - t0 < 0.3
+
+
 # ---- sequence check on a HashStore shared by threads ------------------------------------------------
 def _ctx(store: Any, rank: int, counts: dict[str, int], tmp: Path) -> Any:
     from lifecycle.context import RunContext

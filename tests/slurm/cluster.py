@@ -26,7 +26,7 @@ SBIN = "/usr/sbin:/sbin"
 UP_S = 60.0
 INSTALL_S = 100.0  # with the start and the first job inside that test's 180 s
 
-# One node that oversubscribes this machine's cores (CPUs=16 whatever it has, config_overrides: every test job runs at
+# One node that oversubscribes this machine's cores (CPUs=32 whatever it has, config_overrides: every test job runs at
 # once), no cgroups, no accounting. Finished jobs stay visible to scontrol for MinJobAge. OverTimeLimit=0: a time limit kills
 # at --time. KillWait: the grace from srun's SIGTERM to SIGKILL at the time limit.
 CONF = """\
@@ -65,9 +65,19 @@ KillWait=10
 MinJobAge=600
 MessageTimeout=20
 SlurmdTimeout=300
-NodeName={host} NodeAddr=127.0.0.1 CPUs=16 RealMemory=1000 State=UNKNOWN
-PartitionName=test Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
+GresTypes=lowa,lowb
+NodeName={host} NodeAddr=127.0.0.1 CPUs=32 RealMemory=1000 Gres=lowa:1,lowb:1 State=UNKNOWN
+PartitionName=test Nodes={host} Default=YES MaxTime=INFINITE State=UP PreemptMode=OFF
+PartitionName=low Nodes={host} MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime={grace}
+PartitionName=high Nodes={host} MaxTime=INFINITE State=UP PriorityTier=2 PreemptMode=OFF
 """
+# Preemption (a real one): a job in partition `high` that asks for the generic resource a job in `low` holds (`lowa` or
+# `lowb`, one of each on the node) takes it from that job, which SLURM signals and gives GRACE_S to end; jobs in `test`
+# are never preempted. What SLURM signals at a preemption: the job's tasks (SIGTERM), or with the user-signal setting
+# (its name by version: user_signal_setting) the batch shell, with the job's own --signal.
+GRACE_S = 60
 
 
 def _sbin_env() -> dict[str, str]:
@@ -106,6 +116,17 @@ def why_not_available() -> str | None:
     return f"apt-get install {' '.join(PACKAGES)} failed: {tail}"
 
 
+def user_signal_setting(version: str) -> str:
+    """The slurm.conf line for "signal a preempted job with its --signal" in the SLURM whose ``slurmctld -V`` is
+    ``version``: ``SlurmctldParameters=preempt_send_user_signal`` up to 22.05, ``PreemptParameters=send_user_signal``
+    from 23.02 on."""
+    found = re.search(r"(\d+)\.(\d+)", version)
+    if found is None:
+        raise RuntimeError(f"no SLURM version in {version!r}")
+    newer = (int(found[1]), int(found[2])) >= (23, 2)
+    return "PreemptParameters=send_user_signal" if newer else "SlurmctldParameters=preempt_send_user_signal"
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -113,7 +134,7 @@ def _free_port() -> int:
 
 
 class Slurm:
-    """One node (this machine, 16 CPUs whatever it has) in partition ``test``; :meth:`env` for the client tools."""
+    """One node (this machine, 32 CPUs whatever it has) in partition ``test`` (and ``low``, ``high`` for preemption); :meth:`env` for the client tools."""
 
     def __init__(self) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="lifecycle-slurm-"))
@@ -146,7 +167,8 @@ class Slurm:
         key = self.dir / "munge.key"
         key.write_bytes(os.urandom(1024))
         key.chmod(0o600)
-        self.conf.write_text(CONF.format(host=self.host, dir=self.dir, ctld_port=_free_port(), d_port=_free_port()))
+        self.conf.write_text(CONF.format(host=self.host, dir=self.dir, ctld_port=_free_port(), d_port=_free_port(),
+                                         grace=GRACE_S))
         d = self.dir
         self._daemon("munged", "--force", f"--socket={d}/munge.socket", f"--key-file={key}",
                      f"--pid-file={d}/munged.pid", f"--log-file={d}/munged.log", f"--seed-file={d}/munged.seed")
@@ -155,7 +177,7 @@ class Slurm:
         deadline = time.monotonic() + UP_S
         state = ""
         while time.monotonic() < deadline:
-            proc = self.tool("sinfo", "-h", "-N", "-o", "%T", check=False)
+            proc = self.tool("sinfo", "-h", "-N", "-p", "test", "-o", "%T", check=False)
             state = proc.stdout.strip() or proc.stderr.strip()
             if state == "idle":
                 return
@@ -164,6 +186,14 @@ class Slurm:
             time.sleep(0.5)
         raise RuntimeError(f"the SLURM node did not come up idle (within {UP_S:.0f}s) (sinfo: {state!r}); "
                            f"slurmctld.log: {self.log('slurmctld')[-800:]} slurmd.log: {self.log('slurmd')[-800:]}")
+
+    def send_user_signal_at_preemption(self) -> str:
+        """Turn on SLURM's setting that sends a preempted job its own ``--signal`` (to the batch shell with ``B:``)
+        instead of SIGTERM to its tasks (``scontrol reconfigure``; running jobs are not disturbed); the line used."""
+        line = user_signal_setting(self.tool("slurmctld", "-V").stdout)
+        self.conf.write_text(self.conf.read_text() + line + "\n")
+        self.tool("scontrol", "reconfigure")
+        return line
 
     def log(self, daemon: str) -> str:
         path = self.dir / f"{daemon}.log"

@@ -1,7 +1,8 @@
 """examples/slurm.sbatch end to end on a real SLURM: a clean job, a usage error, a failure that is requeued and
 resumes, the same failure with no progress until exit 6, a time limit (signal, save, requeue, resume) whose
 requeued run is then stopped with `scancel --batch --signal=INT` (save, exit 0, no requeue), a preemption that
-signals the tasks (save, unfinished, requeue, resume); without requeue
+signals the tasks (save, unfinished, requeue, resume), a real preemption by a job of a higher partition (SLURM's default:
+SIGTERM to the tasks; then with the user-signal setting: --signal to the batch shell); without requeue
 (REQUEUE=0), a `--dependency=afternotok` chain of two jobs with one run id.
 
 Every job is submitted at once by one fixture (the node oversubscribes the cores), so the tests' wall time is about
@@ -28,6 +29,7 @@ pytestmark = pytest.mark.slurm
 
 SCRIPT = ROOT / "examples" / "slurm.sbatch"
 BASE = [*SYNTHETIC, *FAST, "checkpoint.grace_s=20"]
+PREEMPT_STEPS = 100000  # the two real preemptions' jobs: unfinished whenever they are preempted
 LEAD_S = 40  # >= checkpoint.grace_s + teardown.deadline_s (20 + 15): validate refuses a shorter lead
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
 NOISE = ("frame #", "socket.cpp", "[c10d]", "retry", "Traceback")  # C++ traces, a store's connect retries
@@ -98,6 +100,11 @@ def jobs(slurm: Slurm, tmp_path_factory: pytest.TempPathFactory) -> Jobs:
                               "+faults=[{at: train, ranks: [1], action: crash, step: 1}]"),
         "usage": submit(*BASE, "train.stepz=6"),
     }
+    # A real preemption: each in partition `low` holding a resource that a job in `high` will take (cluster.py)
+    # (never finished: their tests run last; the test stops each with INT once preempted and resumed)
+    for name, gres in (("preempt_tasks", "lowa"), ("preempt_shell", "lowb")):
+        ids[name] = submit(*BASE, f"train.steps={PREEMPT_STEPS}", "+train.options.step_sleep_s=0.05",
+                           "checkpoint.every_steps=100", sbatch=("--partition=low", f"--gres={gres}:1"))
     # Where the job cannot requeue itself (REQUEUE=0, no scontrol in a container): a chain of jobs with one run id.
     crash = [*BASE, "run.id=chain", "train.steps=6", "checkpoint.every_steps=2",
              "+faults=[{at: train, ranks: [1], action: crash, step: 3, attempts: [1]}]"]
@@ -175,8 +182,9 @@ def test_a_time_limit_saves_requeues_and_resumes_then_a_preemption_saves_and_end
     if saves:
         [saved] = saves
         assert f"attempt 2: resumed from step {saved} " in second
-    else:
-        assert "a stop before training; leaving now (exit 0)" in first, first[-3000:]
+    else:  # stopped while starting (the launcher's line) or after its set-up, before step 1 (the ranks')
+        assert "a stop before training; leaving now (exit 0)" in first or \
+            "preemption signal before training: stopping without a checkpoint" in first, first[-3000:]
         saved = "0"
     [stopped] = re.findall(r"\[rank 0\] WARNING lifecycle.phases.train: preempted at step (\d+), saved", second)
     assert int(stopped) > int(saved)
@@ -204,6 +212,48 @@ def test_a_preemption_that_signals_the_tasks_requeues_the_unfinished_run_and_it_
     assert f"attempt 2: resumed from step {saved} " in second, second[-3000:]
     assert "requeue" not in second
     _quiet(out)
+
+
+def _preempted(jobs: Jobs, name: str, gres: str) -> tuple[dict[str, str], str, str, str]:
+    """Let the job train, have a job in partition `high` take its resource, wait for the requeued run to train,
+    stop it (INT to the batch shell); the job's state, the first run's and the second run's output, the step saved."""
+    job_id = jobs.ids[name]
+    jobs.wait(name, until=r"checkpoint step \d+ committed", timeout_s=150)  # training (and committing) now
+    jobs.slurm.tool("sbatch", "--parsable", "--partition=high", f"--gres={gres}:1", "--ntasks=1", "--output=/dev/null",
+                    "--wrap", "sleep 1")
+    jobs.wait(name, until=r"run 2 on .*\n(.*\n)*attempt 2: resumed from step", timeout_s=120)
+    jobs.slurm.tool("scancel", "--batch", "--signal=INT", str(job_id))
+    job = jobs.wait(name, timeout_s=60)
+    out = jobs.out(name)
+    assert _state(job) == ("COMPLETED", "0:0", 1), out
+    first, second = out.split(f"lifecycle: job {job_id}, run 2 on")
+    [saved] = re.findall(r"\[rank 0\] WARNING lifecycle.phases.train: preempted at step (\d+), saved", first)
+    assert f"attempt 2: resumed from step {saved} " in second, second[-3000:]
+    assert "requeue" not in second  # stopped by INT: while it starts or once it trains, it ends 0
+    _quiet(out)
+    return job, first, second, saved
+
+
+@pytest.mark.timeout(170)
+def test_a_real_preemption_signals_the_tasks_and_the_unfinished_run_is_requeued_and_resumes(jobs: Jobs) -> None:
+    # slurm.conf's default: SIGTERM to the tasks, within GraceTime; the ranks save and exit 0, and so would the job
+    # (COMPLETED, never requeued) but for the run's verdict: unfinished
+    _, first, _, saved = _preempted(jobs, "preempt_tasks", "lowa")
+    assert f"preempted at step {saved}, saved (SIGTERM, step {saved} of {PREEMPT_STEPS}: unfinished" in first, first[-3000:]
+    assert f"the job was preempted (its ranks saved before the last step); requeueing job {jobs.ids['preempt_tasks']}" \
+        in first
+
+
+@pytest.mark.timeout(170)
+def test_a_real_preemption_with_the_user_signal_setting_signals_the_shell_and_is_requeued_as_one(jobs: Jobs) -> None:
+    # send_user_signal (its name by SLURM version): the batch shell gets the job's --signal=B:TERM, as at a time limit;
+    # the ranks get SIGUSR1 from it, save, and the job is requeued saying why: a preemption, not the time limit
+    line = jobs.slurm.send_user_signal_at_preemption()
+    _, first, _, saved = _preempted(jobs, "preempt_shell", "lowb")
+    assert "[rank 1] WARNING lifecycle.machine.session: SIGUSR1 received: will save and stop" in first, (line, first)
+    assert f"the job was preempted (SLURM sent this shell its --signal); requeueing job {jobs.ids['preempt_shell']}" \
+        in first, first[-3000:]
+    assert "the time limit comes" not in first
 
 
 @pytest.mark.timeout(150)

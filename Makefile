@@ -50,8 +50,10 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check
 	$(VENV)/bin/mypy lifecycle
 
+# The tests that start no ranks on both cores (pytest-xdist), then the multi-process ones one at a time.
 test: lint
-	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q -p no:randomly -m "not slow" --durations=40
+	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q -p no:randomly -n 2 -m "in_process and not slow" --durations=10
+	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q -p no:randomly -m "not in_process and not slow" --durations=40
 
 bench-diagnose: $(STAMP)
 	$(VENV)/bin/python bench/diagnose_generated.py 1000000

@@ -54,3 +54,20 @@ def _clean_process(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         for c in children:
             c.kill()
         pytest.fail(f"test leaked child processes: {[c.pid for c in children]}")
+
+
+# `make test` runs the tests that start no ranks on both cores (pytest-xdist: -m "in_process"), then the rest one at a
+# time: every test under tests/unit and tests/cli that is not marked `distributed` starts no process group of its own
+# (a `lifecycle run` there is refused before any rank starts), so two of them never contend for deadlines.
+IN_PROCESS_DIRS = ("unit", "cli")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    tests = Path(__file__).resolve().parent
+    for item in items:
+        try:
+            top = Path(str(item.path)).resolve().relative_to(tests).parts[0]
+        except ValueError:
+            continue
+        if top in IN_PROCESS_DIRS and item.get_closest_marker("distributed") is None:
+            item.add_marker(pytest.mark.in_process)

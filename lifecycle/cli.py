@@ -1,4 +1,4 @@
-"""The `lifecycle` command: validate | explain | schema | policies | diff | run | timeline | verdict | diagnose.
+"""The `lifecycle` command: validate | explain | schema | policies | diff | run | timeline | verdict | diagnose | goodput.
 
 User errors (bad policy, overrides, files, world size) print ``key.path: message (got VALUE)`` lines
 and exit 2 — never a traceback; values are cut to ~200 characters and errors to a bounded number of
@@ -110,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--unfinished-code", type=_int_in(1, 255, ""), metavar="N",
                    help="exit N instead of 0 when every rank exited 0 but a stop signal saved the run before its last "
                         "step (a preemption: a launch script requeues it; examples/slurm.sbatch uses 75)")
+    p = sub.add_parser("goodput", help="where a run's wall time went over all its attempts: productive steps, lost "
+                       "work, start-up, checkpoints, restore, detection, teardown, relaunch (docs/goodput.md)")
+    p.add_argument("run_dir", help="the run directory")
+    p.add_argument("--json", action="store_true", help="machine-readable output (stable keys)")
     p = sub.add_parser("timeline", help="merge a run's per-rank events into a Chrome/Perfetto trace and a PNG")
     p.add_argument("run_dir", help="the run directory")
     p.add_argument("--out", "-o", help="trace file (default RUN_DIR/trace.json; .json.gz compresses)")
@@ -222,6 +226,26 @@ def _verdict(args: argparse.Namespace) -> int:
     return code
 
 
+def _goodput(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from lifecycle.errors import RunDirError
+    from lifecycle.obs import goodput
+
+    run_dir = Path(args.run_dir)
+    if not (run_dir / "events").is_dir():
+        raise RunDirError(f"{run_dir}: no events/ folder: not a lifecycle run directory", path=str(run_dir))
+    g = goodput.account(run_dir)
+    if args.json:
+        print(json.dumps(g.to_json(), indent=1))
+        return ExitCode.OK
+    print(f"goodput  {g.line()}")
+    for name, seconds in g.buckets.items():
+        share = seconds / g.wall_s if g.wall_s > 0 else 0.0
+        print(f"  {name:<11} {seconds:9.2f}s  {share:6.1%}")
+    return ExitCode.OK
+
+
 def _timeline(args: argparse.Namespace) -> int:
     from lifecycle.obs.timeline import main as timeline_main
 
@@ -240,7 +264,7 @@ def _diagnose(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"validate": _validate, "explain": _explain, "schema": _schema, "policies": _policies, "diff": _diff,
-            "run": _run, "timeline": _timeline, "verdict": _verdict, "diagnose": _diagnose}
+            "run": _run, "timeline": _timeline, "verdict": _verdict, "diagnose": _diagnose, "goodput": _goodput}
 
 
 def _cut(line: str) -> str:

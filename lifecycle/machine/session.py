@@ -202,6 +202,17 @@ def _rss_bytes() -> int:
         return 0
 
 
+def process_age_s() -> float | None:
+    """Seconds since this process started (its imports included: where goodput's start-up begins), or None."""
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            started = int(f.read().rsplit(b")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
+        with open("/proc/uptime", "rb") as f:
+            return round(max(float(f.read().split()[0]) - started, 0.0), 3)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def build_context(policy: Policy, run_dir: Path, rank: int, world: int, local_rank: int,
                   parallel: ParallelState, *, own_loop: bool = False) -> RunContext:
     """This rank's context: its attempt, its event log (the ``attempt`` event first), the policy's drills."""
@@ -210,7 +221,7 @@ def build_context(policy: Policy, run_dir: Path, rank: int, world: int, local_ra
 
     attempt = _attempt(run_dir, rank)
     events = EventLog(run_dir, rank, local_rank)
-    events.instant("attempt", attempt=attempt, world_size=world, pid=os.getpid())
+    events.instant("attempt", attempt=attempt, world_size=world, pid=os.getpid(), process_start_s=process_age_s())
     return RunContext.of(policy, run_dir, rank, world, local_rank, events, _drills(policy, rank, events, attempt),
                          parallel, attempt=attempt, own_loop=own_loop, restarts_left=_restarts_left(policy))
 

@@ -79,6 +79,9 @@ def render(s: dict[str, Any]) -> str:
                                          if isinstance(v, int | float)) + ")" if stages else ""))
     if "outcome" in s:
         lines.append(f"outcome  {s['outcome']} -> exit {s['exit_code']} in {s['wall_s']}s")
+    g = s.get("goodput")
+    if isinstance(g, dict) and g.get("line") and g.get("goodput") is not None:
+        lines.append(f"goodput  {g['line']}")
     b = s.get("blame")
     if b and b.get("source") != "launcher" and b.get("ranks"):
         lines.append(f"blame    ranks {fmt_ranks(b['ranks'])} ({b['cause']} in phase {b['phase']}, from {b['source']})")

@@ -322,6 +322,7 @@ def build(run_dir: Path, launch: Any | None = None) -> dict[str, Any]:
         summary.update(exit_code=launch.exit_code, outcome=launch.describe(), wall_s=round(launch.wall_s, 2),
                        first_failure=launch.first_failure, failed_phase=launch.phase)
     summary["unfinished"] = unfinished(summary)  # a stop signal saved it before its last step: it resumes when run again
+    summary["goodput"] = _goodput(run_dir)
     summary["blame"] = blame(run_dir, summary)
     b = summary["blame"]
     if launch is not None and b and b.get("source") != "launcher" and b.get("ranks") \
@@ -402,3 +403,15 @@ def render(s: dict[str, Any]) -> str:
     from lifecycle.obs.render import render as _render
 
     return _render(s)
+
+
+def _goodput(run_dir: Path) -> dict[str, Any] | None:
+    """The run's goodput over every attempt (lifecycle.obs.goodput); None where its events cannot be read."""
+    from lifecycle.errors import LifecycleError
+    from lifecycle.obs import goodput
+
+    try:
+        g = goodput.account(Path(run_dir))
+    except (OSError, ValueError, TypeError, KeyError, LifecycleError) as exc:  # a run directory someone edited
+        return {"error": f"{type(exc).__name__}: {exc}"[:200]}
+    return {**g.to_json(), "line": g.line()}

@@ -35,6 +35,17 @@ def test_a_crash_in_attempt_1_restarts_resumes_with_the_learned_deadline_and_fin
         assert restored[0]["seconds"] < 600 and "restored from iter_0000005 (learned in attempt 1)" in \
             restored[0]["how"], restored
     assert (run.run_dir / "checkpoints" / "iter_0000010" / "lifecycle_learned.json").is_file()
+    _assert_goodput(summary["goodput"], attempts=2, lost_at_least=2)  # steps 6 and 7 ran twice (resumed from 5)
+    assert summary["goodput"]["steps"]["productive"] == 12 and "goodput  " in run.output
+
+
+def _assert_goodput(g: dict, attempts: int, lost_at_least: int) -> None:  # type: ignore[type-arg]
+    """A real run's goodput: every bucket >= 0, summing to the wall time; 12 or 10 steps survive; the lost ones."""
+    buckets = g["buckets_s"]
+    assert all(v >= 0 for v in buckets.values()) and abs(sum(buckets.values()) - g["wall_s"]) < 0.01, g
+    assert g["attempts"] == attempts and g["failures"] >= 1 and g["steps"]["lost"] >= lost_at_least, g
+    assert buckets["productive"] > 0 and buckets["lost"] > 0 and buckets["startup"] > 0, g
+    assert 0 < g["goodput"] < 1 and g["goodput"] == pytest.approx(buckets["productive"] / g["wall_s"], abs=1e-3)
 
 
 @pytest.mark.timeout(150)
@@ -88,6 +99,9 @@ def test_a_raise_restarts_in_place_in_the_same_processes_and_resumes(tmp_path: P
     assert "connection(s) of this rank's process groups shut down" in run.log(0)  # its watchdog took it out
     ledger = [json.loads(line) for line in (run.run_dir / "restarts.jsonl").read_text().splitlines()]
     assert [(r["attempt"], r.get("exit_code")) for r in ledger if "exit_code" in r][:2] == [(1, 4), (2, 0)]
+    g = summary["goodput"]  # one process, one events file: the in-place restart's lost steps and restore counted
+    _assert_goodput(g, attempts=1, lost_at_least=2)
+    assert g["steps"]["productive"] == 10 and g["buckets_s"]["restore"] > 0, g
 
 
 @pytest.mark.timeout(150)

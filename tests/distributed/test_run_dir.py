@@ -317,5 +317,9 @@ def test_any_sequence_of_runs_kills_and_reruns_keeps_committed_work_and_lists_ev
                 assert attempt["outcome"] == "no summary (the launcher did not finish)", attempt
             else:
                 assert attempt["exit_code"] == code, (attempt, codes)
+        # goodput over every attempt, killed ones included: the buckets sum to the wall time, each final step once
+        g = summary["goodput"]
+        assert abs(sum(g["buckets_s"].values()) - g["wall_s"]) < 0.01 and min(g["buckets_s"].values()) >= 0, g
+        assert g["steps"]["productive"] == newest and g["attempts"] == len(plan) + 1, (plan, g)
 
     runs()

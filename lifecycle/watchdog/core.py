@@ -316,10 +316,15 @@ class Watchdog:
         return d
 
     def _diagnose(self, cause: Cause, ch: BoundedChannel[SideChannel]) -> diagnosis.Diagnosis:
+        if not cause.urgent and cause.kind != "hang":
+            # Peers that still move publish once per poll: give them half of one to show where the failure found
+            # them (a failed or dead rank is the culprit whatever they show; its exit is not held back longer).
+            time.sleep(min(self.cfg.poll_interval_s, 0.5))
         wanted = self._ranks_to_read(cause)
         ch.wait_connected(ch.op_timeout_s)  # a report early in the run may come while the client still connects
         read = self._safe(lambda c: c.records(wanted), ch)
-        if read is not None and not cause.urgent:
+        if read is not None and not cause.urgent and cause.kind == "hang":
+            # a hang's culprits are read from where the others wait: every running peer's record after the stall
             read = fresh_records(read, lambda ranks: self._safe(lambda c: c.records(ranks), ch), self.rank,
                                  self.cfg.poll_interval_s)
         records: dict[int, JsonDict | None] = read or {}

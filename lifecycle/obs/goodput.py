@@ -136,32 +136,28 @@ def _failures(a: _Attempt) -> list[tuple[int, int]]:
     return out
 
 
-def _intervals(a: _Attempt) -> tuple[list[tuple[int, int, str, int]], int]:
-    """Labelled intervals ``(start, end, label, -1)`` of one attempt, and how many failures it had."""
-    out: list[tuple[int, int, str, int]] = []
-    for s in a.spans:
-        if s.name == "step":
-            out.append((s.start_us, s.end_us, "step", -1))
-        elif s.name in ("resume", "verify"):
-            out.append((s.start_us, s.end_us, "restore", -1))
-        elif s.name == "phase:checkpoint":
-            out.append((s.start_us, s.end_us, "checkpoint", -1))
-        elif s.name == "phase:teardown":
-            out.append((s.start_us, s.end_us, "teardown", -1))
-        elif s.name in ("phase:init", "phase:warmup"):
-            out.append((s.start_us, s.end_us, "startup", -1))
+_LABEL = {"step": "step", "resume": "restore", "verify": "restore", "phase:checkpoint": "checkpoint",
+          "phase:teardown": "teardown", "phase:init": "startup", "phase:warmup": "startup"}
+Interval = tuple[int, int, str, Span | None]
+"""``(start_us, end_us, label, the span it comes from)``: a span, or a failure's detection or teardown window."""
+
+
+def _intervals(a: _Attempt) -> tuple[list[Interval], int]:
+    """The labelled intervals of one attempt, and how many failures it had."""
+    out: list[Interval] = [(s.start_us, s.end_us, _LABEL[s.name], s) for s in a.spans if s.name in _LABEL]
     failures = _failures(a)
     ends = sorted(e["t"] for e in a.events if e["kind"] == "end" and not e["name"].startswith("phase:"))
     for verdict, until in failures:
         before = [t for t in ends if t <= verdict]
-        out.append((before[-1] if before else a.start_us, verdict, "detection", -1))
-        out.append((verdict, until, "failed", -1))
+        out.append((before[-1] if before else a.start_us, verdict, "detection", None))
+        out.append((verdict, until, "failed", None))
     return out, len(failures)
 
 
-def _sweep(a: _Attempt, intervals: list[tuple[int, int, str, int]], first_train: int | None,
+def _sweep(a: _Attempt, intervals: list[Interval], first_train: int | None,
            step_time: dict[int, float]) -> dict[str, float]:
-    """Assign every µs of ``[a.start_us, a.end_us]`` to one bucket; the seconds of each step span to step_time."""
+    """Assign every µs of ``[a.start_us, a.end_us]`` to one bucket; the seconds of each step interval (by its index)
+    to step_time."""
     out = dict.fromkeys(BUCKETS, 0.0)
     inside = (x for s, e, _, _ in intervals for x in (s, e) if a.start_us <= x <= a.end_us)
     marks = sorted({a.start_us, a.end_us, *inside})
@@ -209,13 +205,12 @@ def account(run_dir: Path) -> Goodput:
         step_time: dict[int, float] = {}
         for bucket, seconds in _sweep(a, intervals, min(trains) if trains else None, step_time).items():
             g.buckets[bucket] += seconds
-        steps = {i: iv for i, iv in enumerate(intervals) if iv[2] == "step"}
-        by_start = {s.start_us: s for s in a.spans if s.name == "step"}
-        for i, (start, _, _, _) in sorted(steps.items(), key=lambda kv: kv[1][0]):
-            span = by_start.get(start)
-            step = span.begin.get("step") if span is not None else None
+        for i, (_, _, label, span) in enumerate(intervals):  # spans in start order: the steps as they ran
+            if label != "step" or span is None:
+                continue
+            step = span.begin.get("step")
             if isinstance(step, int):
-                computations.append((step, step_time.get(i, 0.0), not span.cut if span is not None else False))
+                computations.append((step, step_time.get(i, 0.0), not span.cut))
             else:
                 g.buckets["other"] += step_time.get(i, 0.0)
         for s in a.spans:

@@ -405,8 +405,9 @@ def render(s: dict[str, Any]) -> str:
     return _render(s)
 
 
-def _goodput(run_dir: Path) -> dict[str, Any] | None:
-    """The run's goodput over every attempt (lifecycle.obs.goodput); None where its events cannot be read."""
+def _goodput(run_dir: Path) -> dict[str, Any]:
+    """The run's goodput over every attempt (lifecycle.obs.goodput); ``{"error": ...}`` where its files cannot be
+    read (the render then prints no goodput line)."""
     from lifecycle.errors import LifecycleError
     from lifecycle.obs import goodput
 

@@ -447,7 +447,6 @@ class Watchdog:
         return extra
 
 
-
 def fresh_records(first: dict[int, JsonDict | None], read: Callable[[list[int]], dict[int, JsonDict | None] | None],
                   me: int, poll_s: float) -> dict[int, JsonDict | None]:
     """The records as published after a cause reached rank ``me``: each running peer publishes once per poll, and

@@ -29,7 +29,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from lifecycle.policy.base import check_deadline_key
 
@@ -110,6 +110,9 @@ class Communicators:
     place (the watchdog thread reads it)."""
     ckpt_group: ProcessGroup | None = None
     """The dedicated gloo group of ``checkpoint.coordination: gloo`` (created at the first save)."""
+    memory: Any = None
+    """The round's in-memory checkpoint tier (:class:`lifecycle.phases.memory.MemoryTier`: its gloo group and the
+    copy in flight), made at the start of training when ``checkpoint.memory.every_steps`` is set."""
     adopted_world: bool = False
     """The default process group was the trainer's (made before ``attach``): lifecycle never aborts or destroys it."""
     adopted_groups: bool = False
@@ -161,6 +164,9 @@ class Progress:
     saved: list[str] = field(default_factory=list)
     """Committed checkpoint paths of this run."""
     resumed_from: int | None = None
+    resumed_tier: str | None = None
+    """Where ``resumed_from`` came from: ``persistent`` (a committed checkpoint) or ``memory`` (the memory tier's
+    copies: not committed, so the resumed step still needs its persistent save)."""
     warmup_s: dict[str, float] = field(default_factory=dict)
     """Seconds spent warming each group label (for the exit event)."""
     started_attempt: bool = False

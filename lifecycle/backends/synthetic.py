@@ -97,11 +97,20 @@ class SyntheticStep:
                 offset += n
         return {"loss": float(flat[-1]), "wait_s": wait_s}
 
-    def begin_save(self, ctx: StepContext, ckpt_dir: Path) -> LocalFilesSave:
+    def memory_state(self, ctx: StepContext) -> dict[str, Any]:
+        """This rank's state (the model; the data comes from the step number) as CPU copies. Local."""
         assert self.model is not None
-        state = {"model": {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()},
-                 "step": ctx.step}
-        return LocalFilesSave(ckpt_dir, ctx.rank, ctx.world_size, state, ctx.policy.checkpoint.async_)
+        return {"model": {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()},
+                "step": ctx.step}
+
+    def load_memory_state(self, ctx: StepContext, state: dict[str, Any]) -> int:
+        """Restore what :meth:`memory_state` took; the step. Local."""
+        assert self.model is not None
+        self.model.load_state_dict(state["model"])
+        return int(state["step"])
+
+    def begin_save(self, ctx: StepContext, ckpt_dir: Path) -> LocalFilesSave:
+        return LocalFilesSave(ckpt_dir, ctx.rank, ctx.world_size, self.memory_state(ctx), ctx.policy.checkpoint.async_)
 
     def load(self, ctx: StepContext, ckpt_dir: Path) -> int:
         assert self.model is not None

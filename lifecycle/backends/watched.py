@@ -40,15 +40,30 @@ class WatchedModules:
         state["step"] = ctx.step
         return LocalFilesSave(ckpt_dir, ctx.rank, ctx.world_size, state, ctx.policy.checkpoint.async_)
 
+    def memory_state(self, ctx: StepContext) -> dict[str, Any]:
+        """This rank's state as CPU copies, for the memory tier. Local."""
+        state = torch.utils._pytree.tree_map(
+            lambda v: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v, self._state())
+        state["step"] = ctx.step
+        return state
+
+    def load_memory_state(self, ctx: StepContext, state: dict[str, Any]) -> int:
+        """Restore what :meth:`memory_state` took; the step. Local."""
+        self._restore(state)
+        return int(state["step"])
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        for i, chunk in enumerate(self.chunks):
+            chunk.load_state_dict(state[f"model{i}"])
+        if self.optimizer is not None and "optimizer" in state:
+            self.optimizer.load_state_dict(state["optimizer"])
+
     def load(self, ctx: StepContext, ckpt_dir: Path) -> int:
         if not (ckpt_dir / "metadata.json").is_file():
             raise PhaseError(f"{ckpt_dir} has no metadata.json (not a committed checkpoint)", phase="train",
                              rank=ctx.rank)
         state = torch.load(ckpt_dir / f"rank_{ctx.rank}.pt", weights_only=True, map_location="cpu")
-        for i, chunk in enumerate(self.chunks):
-            chunk.load_state_dict(state[f"model{i}"])
-        if self.optimizer is not None and "optimizer" in state:
-            self.optimizer.load_state_dict(state["optimizer"])
+        self._restore(state)
         return int(state["step"])
 
     @staticmethod

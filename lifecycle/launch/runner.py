@@ -102,6 +102,17 @@ def _launch(policy: Policy, nproc: int, run_dir: Path, overrides: Sequence[str],
         return _attempts(policy, nproc, run_dir, overrides, trap, pool)
     finally:
         pool.close()
+        _drop_memory_copies(policy)
+
+
+def _drop_memory_copies(policy: Policy) -> None:
+    """The run is over on this node (whatever its outcome): the memory tier's copies of its ranks go (they are
+    node memory; the persistent checkpoints hold what the run committed)."""
+    m = policy.checkpoint.memory
+    if m.every_steps:
+        from lifecycle.checkpoint import memory
+
+        memory.remove(memory.root(m.dir, policy.run.id, policy.checkpoint.dir))
 
 
 def _attempts(policy: Policy, nproc: int, run_dir: Path, overrides: Sequence[str], trap: SignalTrap,

@@ -433,12 +433,12 @@ class Job:
                 from lifecycle.backends.megatron.step import record_collectives
 
                 record_collectives(ctx)
-        if self._checkpoints and ctx.policy.checkpoint.resume != "never":
-            from lifecycle.phases.resume import resume
+        if self._checkpoints:
+            from lifecycle.phases.resume import resume_tiers
             from lifecycle.phases.train import after_resume
 
-            resume(ctx)
-            after_resume(ctx)
+            if resume_tiers(ctx):
+                after_resume(ctx)
 
     def _before_first_step(self) -> bool:
         """The stop-flag agreement before training (as ``lifecycle run``); False: stop before the first step."""

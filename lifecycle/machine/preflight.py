@@ -301,6 +301,39 @@ def check_comm_budget(policy: Policy, world_size: int, ranks_per_node: int) -> N
         + f"; shrink with {knobs}warmup.groups: used, or raise the budget", budget)
 
 
+MEMORY_COPY_FACTOR = 3
+"""A rank's memory-tier copy against its weights' lower estimate: the weights and an Adam optimizer's two moments."""
+
+
+def check_memory_tier(policy: Policy, ranks_per_node: int) -> None:
+    """``checkpoint.memory``: its folder exists and can be written, and the node's copies fit in what it has free —
+    each local rank's state (at least its weights and two optimizer moments by the kind's lower estimate) times
+    ``keep``, twice with ``replicate`` — or a PolicyError (exit 2) naming the numbers and the keys that shrink them."""
+    from lifecycle.checkpoint.memory import free_bytes
+    from lifecycle.hostinfo import fmt_bytes
+    from lifecycle.policy.modelsize import rank_bytes
+
+    m = policy.checkpoint.memory
+    if not m.every_steps or not policy.train.steps:
+        return
+    folder = Path(m.dir)
+    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+        raise PolicyError.single("checkpoint.memory.dir", "is not a folder this process can write (a node-local "
+                                 "tmpfs such as /dev/shm); create it or set checkpoint.memory.dir", m.dir)
+    estimate = rank_bytes(policy.train.options, policy.parallelism)
+    free = free_bytes(folder)
+    if estimate is None or free is None:
+        return
+    need = estimate * MEMORY_COPY_FACTOR * m.keep * (2 if m.replicate else 1) * ranks_per_node
+    if need > free:
+        raise PolicyError.single(
+            "checkpoint.memory", f"the copies of this node's {ranks_per_node} rank(s) take at least {fmt_bytes(need)} "
+            f"(each rank's state {fmt_bytes(estimate * MEMORY_COPY_FACTOR)} x keep {m.keep}"
+            f"{' x 2 (replicate)' if m.replicate else ''}), more than {m.dir} has free ({fmt_bytes(free)}): lower "
+            f"checkpoint.memory.keep, set replicate=false, point checkpoint.memory.dir at a larger tmpfs, or set "
+            f"checkpoint.memory.every_steps=0", m.every_steps)
+
+
 def check_resume(checkpoint_dir: str, resume: str, on_corrupt: str) -> None:
     """What the checkpoint folder alone decides, before any rank starts (exit 2): ``resume: required`` with no
     usable checkpoint, and, with ``on_corrupt: error``, a tracker that cannot be used or that names a folder

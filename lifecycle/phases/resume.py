@@ -155,7 +155,27 @@ _NOT_DAMAGE = ("A change of layout or model is not damage: nothing was set aside
                "or start a new run (another run.dir or checkpoint.dir)")
 
 
-def resume(ctx: RunContext) -> None:
+def resume_tiers(ctx: RunContext) -> bool:
+    """Every rank, after the step handler's setup: the memory tier's start (``checkpoint.memory``) and its copies
+    when they are newer than the last commit, else the persistent tier (:func:`resume`) unless ``resume: never``.
+    Whether a step was resumed."""
+    from lifecycle.phases.memory import tier
+
+    memory, touched = tier(ctx), False
+    if memory is not None:
+        tracked = memory.start(ctx)
+        if ctx.policy.checkpoint.resume != "never":
+            restored = memory.restore(ctx, tracked)
+            if restored:
+                return True
+            touched = restored is False
+    if ctx.policy.checkpoint.resume == "never":
+        return False
+    resume(ctx, touched=touched)
+    return ctx.progress.resumed_from is not None
+
+
+def resume(ctx: RunContext, *, touched: bool = False) -> None:
     """Load the newest usable checkpoint. Every rank calls it and tries the same candidates in the same order.
 
     ``on_corrupt: error``: a tracker or checkpoint that cannot be used is a :class:`CheckpointError` (exit 2)
@@ -163,6 +183,7 @@ def resume(ctx: RunContext) -> None:
     rejection logged; rank 0 then sets the rejected ones aside and points the tracker at the one loaded. Either
     way every rank ends on the same step, loaded from a folder whose files hold that step, or every rank starts
     fresh; a checkpoint of another layout is loaded resharded or refused (:func:`_layout_change`), never set aside.
+    ``touched``: a memory-tier load ran and failed (the model must be rebuilt if nothing loads here).
     """
     ck = ctx.policy.checkpoint
     root = Path(ck.dir)
@@ -173,7 +194,7 @@ def resume(ctx: RunContext) -> None:
     rejected = dict(found.rejected)
     for name, reason in rejected.items():
         log.warning("checkpoint %s is unusable: %s", name, reason)
-    start, touched = ctx.step, False
+    start = ctx.step
     for path in found.paths:
         moved = _layout_change(ctx, path)
         tried = _verify_then_load(ctx, path)
@@ -246,6 +267,7 @@ def _start_fresh(ctx: RunContext, root: Path, tracker: ckptdir.Tracker, rejected
 
 def _loaded(ctx: RunContext, root: Path, path: Path, tracker: ckptdir.Tracker, rejected: dict[str, str]) -> None:
     ctx.progress.resumed_from = ctx.step
+    ctx.progress.resumed_tier = "persistent"
     if ctx.rank == 0:
         _set_aside(root, rejected, keep=path)
         if tracker.name != path.name or tracker.error is not None:

@@ -137,6 +137,7 @@ class TeardownPhase:
 
     def run(self, ctx: RunContext) -> None:
         """Success path in the policy's order. ``barrier`` and ``destroy_*`` involve every rank."""
+        _close_memory(ctx, finished=True)
         for step in ctx.policy.teardown.success:
             self._mark(step)
             ctx.drills.fire("teardown", op=step)
@@ -152,6 +153,7 @@ class TeardownPhase:
         self._mark("failure")
         ctx.drills.fire("teardown", op="failure")
         with ctx.events.span("teardown:failure", error=type(error).__name__ if error else None):
+            _close_memory(ctx, finished=False)
             self.release(ctx)
 
     def release(self, ctx: RunContext) -> list[str]:
@@ -227,6 +229,23 @@ class TeardownPhase:
 
 
 def _own_groups(ctx: RunContext) -> list[ProcessGroup]:
-    """The process groups lifecycle made in a trainer's process (the checkpoint coordination group)."""
-    group, ctx.comms.ckpt_group = ctx.comms.ckpt_group, None
-    return [group] if group is not None else []
+    """The process groups lifecycle made in a trainer's process (the checkpoint coordination group, the memory
+    tier's)."""
+    groups, ctx.comms.ckpt_group = [ctx.comms.ckpt_group], None
+    tier = ctx.comms.memory
+    if tier is not None:
+        groups.append(tier.group)
+        tier.group = None
+    return [g for g in groups if g is not None]
+
+
+def _close_memory(ctx: RunContext, *, finished: bool) -> None:
+    """The memory tier's copy in flight and its copies: waited for and removed on a finished run; on a failure
+    left for the next attempt (a copy still in flight is given a second at most: the process is leaving)."""
+    tier = ctx.comms.memory
+    if tier is None:
+        return
+    try:
+        tier.close(ctx, finished=finished, wait_s=None if finished else 1.0)
+    except Exception as exc:  # noqa: BLE001 - leaving either way; the copies are checked at the next start
+        log.warning("memory tier: %s", exc)

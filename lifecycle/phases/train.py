@@ -113,7 +113,8 @@ class StepLoop:
     def start(self, ctx: RunContext, total: int | None) -> None:
         """Before the first step (after any resume): a resumed step counts as saved."""
         self.total = total
-        self.saved_at = ctx.step if ctx.progress.resumed_from is not None else None
+        persisted = ctx.progress.resumed_from is not None and ctx.progress.resumed_tier != "memory"
+        self.saved_at = ctx.step if persisted else None
 
     def report(self, **metrics: float) -> None:
         """Metrics of the step running now (``loss``; ``wait_s``, the time spent waiting on peers)."""
@@ -227,6 +228,13 @@ class StepLoop:
         save_step = bool(ck.every_steps and step % ck.every_steps == 0)
         if save_step:
             self._save(ctx, "periodic")
+        mem = ck.memory.every_steps
+        if mem and step % mem == 0 and ctx.step_handler is not None:
+            from lifecycle.phases.memory import tier
+
+            copies = tier(ctx)
+            if copies is not None:
+                copies.save(ctx, step)
         # The stop flag's all-reduce also carries the adaptive deadlines: with auto deadlines it runs even
         # when signals are not handled (its flag is then ignored).
         # checkpoint.signal_check_every trades that all-reduce on most steps for a later stop after a signal;
@@ -318,12 +326,10 @@ class TrainPhase:
         return handler
 
     def _resume(self, ctx: RunContext) -> None:
-        if ctx.policy.checkpoint.resume == "never":
-            return
-        from lifecycle.phases.resume import resume
+        from lifecycle.phases.resume import resume_tiers
 
-        resume(ctx)
-        after_resume(ctx)
+        if resume_tiers(ctx):
+            after_resume(ctx)
 
     def _loop(self, ctx: RunContext, handler: StepHandler) -> None:
         from lifecycle.obs import progress

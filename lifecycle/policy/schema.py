@@ -63,6 +63,21 @@ class MoEConfig(Section):
     """The zero-token guard."""
 
 
+class MemoryTierConfig(Section):
+    every_steps: Steps = 0
+    """Copy every rank's state to node-local memory every n train steps (0: no memory tier). A failed attempt's next
+    one (relaunched or in place) resumes from the newest step every rank holds there when it is newer than the last
+    committed checkpoint; the persistent checkpoints stay the source of truth at their own cadence."""
+    keep: int = Field(1, ge=1, le=2)
+    """Copies of each rank's state kept (the newest one or two steps); the memory taken is keep x the rank's state,
+    twice with ``replicate`` (its own copy and the one it holds for its buddy)."""
+    replicate: Flag = True
+    """Send each copy to a buddy rank on another node (so a lost node's ranks restore from their buddies); with one
+    node the buddy is the next rank on the same node."""
+    dir: str = Field("/dev/shm", min_length=1)
+    """Node-local folder the copies live in (tmpfs: a copy outlives its rank's process, not the node)."""
+
+
 class CheckpointConfig(Section):
     dir: str = Field("checkpoints", min_length=1)
     """Checkpoint root (default <run.dir>/checkpoints); committed saves are iter_NNNNNNN/ with a `latest` tracker."""
@@ -107,6 +122,8 @@ class CheckpointConfig(Section):
     """auto: load the tracker's checkpoint when there is one; required: error when there is none."""
     on_corrupt: Literal["error", "fallback"] = "error"
     """A corrupt or missing checkpoint at resume: error, or fall back to the previous committed one."""
+    memory: MemoryTierConfig = MemoryTierConfig()
+    """The in-memory checkpoint tier (off by default)."""
 
 
 class ExitCodes(Section):

@@ -193,6 +193,60 @@ def _load_foreign(state: TrainState, ckpt_dir: str, common: dict[str, Any], stra
     return state.step
 
 
+def _optimizers(optimizer: Any) -> list[Any]:
+    """The torch optimizers inside a megatron optimizer (one per chained instance)."""
+    return [getattr(sub, "optimizer", sub) for sub in getattr(optimizer, "chained_optimizers", [optimizer])]
+
+
+def _cpu(value: Any) -> Any:
+    return value.detach().to("cpu", copy=True) if torch.is_tensor(value) else value
+
+
+def local_state(state: TrainState, step: int) -> dict[str, Any]:
+    """This rank's part of the train state as CPU copies — each chunk's ``state_dict`` (its own shards), each
+    inner optimizer's state and main parameters (by position: the same build lays them out the same), the RNG
+    states and the step — for the memory tier: loaded back by :func:`load_local_state` at the same layout only.
+    Local, no collective. Non-tensor extra states (none on CPU) are left out."""
+    from megatron.core import tensor_parallel
+
+    models = [{k: _cpu(v) for k, v in gpt.state_dict().items() if torch.is_tensor(v)} for gpt in state.gpts]
+    optimizers = []
+    for inner in _optimizers(state.optimizer):
+        sd = inner.state_dict()
+        optimizers.append({
+            "state": {i: {k: _cpu(v) for k, v in per.items()} for i, per in sd["state"].items()},
+            "param_groups": sd["param_groups"],
+            "main": [_cpu(p) for group in inner.param_groups for p in group["params"]]})
+    rng = {"cpu": torch.get_rng_state(), "tracker": {k: _cpu(v) for k, v in
+                                                      tensor_parallel.get_cuda_rng_tracker().get_states().items()}}
+    return {"models": models, "optimizers": optimizers, "rng": rng, "step": step}
+
+
+def load_local_state(state: TrainState, saved: dict[str, Any]) -> int:
+    """Restore what :func:`local_state` took; the step. Local."""
+    from megatron.core import tensor_parallel
+
+    if len(saved["models"]) != len(state.gpts) or len(saved["optimizers"]) != len(_optimizers(state.optimizer)):
+        raise ValueError("the copy holds another number of model chunks or optimizers")
+    for gpt, sd in zip(state.gpts, saved["models"], strict=True):
+        missing, unexpected = gpt.load_state_dict(sd, strict=False)
+        left = [k for k in missing if not k.endswith("_extra_state")]
+        if left or unexpected:
+            raise ValueError(f"the copy's model does not match: missing {left[:3]}, unexpected {unexpected[:3]}")
+    with torch.no_grad():
+        for inner, sd in zip(_optimizers(state.optimizer), saved["optimizers"], strict=True):
+            params = [p for group in inner.param_groups for p in group["params"]]
+            if len(params) != len(sd["main"]):
+                raise ValueError("the copy's optimizer holds another number of parameters")
+            inner.load_state_dict({"state": sd["state"], "param_groups": sd["param_groups"]})
+            for param, value in zip(params, sd["main"], strict=True):
+                param.copy_(value)
+    torch.set_rng_state(saved["rng"]["cpu"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(saved["rng"]["tracker"])
+    state.step = int(saved["step"])
+    return state.step
+
+
 def _allocate_optimizer_state(optimizer: Any) -> None:
     """Give a never-stepped distributed optimizer its Adam state before a load. Local, no collective.
 

@@ -38,6 +38,18 @@ class TorchDistCheckpoints:
             raise FileNotFoundError(f"{ckpt_dir}/metadata.json is missing (not a complete checkpoint)")
         return int(checkpoint.load(self.state, str(ckpt_dir)))
 
+    def memory_state(self, ctx: StepContext) -> dict[str, Any]:
+        """This rank's own tensors as CPU copies, for the memory tier. Local."""
+        from lifecycle.backends.megatron import checkpoint
+
+        return checkpoint.local_state(self.state, ctx.step)
+
+    def load_memory_state(self, ctx: StepContext, state: dict[str, Any]) -> int:
+        """Restore what :meth:`memory_state` took; the step. Local."""
+        from lifecycle.backends.megatron import checkpoint
+
+        return checkpoint.load_local_state(self.state, state)
+
     def reshard(self, saved: dict[str, Any], now: dict[str, Any]) -> str | None:
         """What this model's torch_dist checkpoints load at (:func:`lifecycle.checkpoint.binding.torch_dist`)."""
         from lifecycle.checkpoint.binding import torch_dist

@@ -1,0 +1,408 @@
+"""The in-memory checkpoint tier (``checkpoint.memory``): copies of every rank's state in node-local memory, each
+replicated to a buddy rank on another node, restored by the next attempt after a failure.
+
+At every ``memory.every_steps``-th step boundary each rank takes a copy of its state (the step handler's
+``memory_state``: CPU tensors, on the training thread) after checking that every tensor is finite (a state with a NaN
+or inf is never kept: the event names the rank and the tensor). A background thread writes the copy into the node's
+folder (:mod:`lifecycle.checkpoint.memory`) and exchanges it with the buddy over a dedicated gloo group (sizes first,
+then the bytes; every rank takes part in every exchange, an empty one when its copy was refused), bounded by the
+checkpoint deadline. The next copy waits for the previous one.
+
+At resume (every rank, before the persistent tier) the ranks agree on the newest step that **every** rank holds —
+its own copy, or the one its buddy holds for it — checked against its record and digest and bound to this run's
+world, layout, options and lineage; a rank whose own copy is gone receives it from its buddy. That step is used only
+when it is not older than the persistent tier's tracker; every rank loads it and the ranks agree on the step each
+loaded, or the persistent tier resumes as before. Steps are never mixed across ranks.
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lifecycle.checkpoint import binding, ckptdir
+from lifecycle.checkpoint import memory as files
+from lifecycle.errors import CheckpointError
+
+if TYPE_CHECKING:
+    import torch
+    from torch.distributed import ProcessGroup
+
+    from lifecycle.context import RunContext
+
+log = logging.getLogger(__name__)
+
+SLOTS = 4
+"""Copies per rank and folder that take part in the agreement (``keep`` is at most 2)."""
+
+
+def ranks_per_node(world: int) -> int:
+    """The ranks of one node: the launcher's ``LOCAL_WORLD_SIZE`` (torchrun, ``lifecycle run``), else SLURM's tasks
+    per node, else every rank on one node."""
+    for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+        value = os.environ.get(name, "")
+        if value.isdigit() and 0 < int(value) <= world and world % int(value) == 0:
+            return int(value)
+    return world
+
+
+def buddy_of(rank: int, world: int, per_node: int) -> int:
+    """The rank that holds ``rank``'s copies: the same local rank on the next node (the next rank with one node)."""
+    shift = per_node if world > per_node else 1
+    return (rank + shift) % world
+
+
+def ward_of(rank: int, world: int, per_node: int) -> int:
+    """The rank whose copies ``rank`` holds (the inverse of :func:`buddy_of`)."""
+    shift = per_node if world > per_node else 1
+    return (rank - shift) % world
+
+
+def tier(ctx: RunContext) -> MemoryTier | None:
+    """This round's tier, made at first use (None without ``checkpoint.memory.every_steps`` or a step handler). A
+    step handler without ``memory_state`` and ``load_memory_state`` is a CheckpointError naming the kind."""
+    if not ctx.policy.checkpoint.memory.every_steps or ctx.step_handler is None:
+        return None
+    if ctx.comms.memory is None:
+        handler = ctx.step_handler
+        if not (callable(getattr(handler, "memory_state", None)) and callable(getattr(handler, "load_memory_state",
+                                                                                      None))):
+            raise CheckpointError(f"checkpoint.memory.every_steps is set, but train.kind {ctx.policy.train.kind} "
+                                  f"({type(handler).__name__}) has no memory_state/load_memory_state: set "
+                                  f"checkpoint.memory.every_steps=0", phase="train", rank=ctx.rank)
+        ctx.comms.memory = MemoryTier.of(ctx)
+    tier_: MemoryTier = ctx.comms.memory
+    return tier_
+
+
+def first_nonfinite(state: Any, prefix: str = "") -> tuple[str, int] | None:
+    """The first floating tensor in ``state`` (nested dicts, lists) holding a NaN or inf, and how many it holds."""
+    import torch
+
+    if isinstance(state, torch.Tensor):
+        if state.is_floating_point() or state.is_complex():
+            bad = int((~torch.isfinite(state)).sum())
+            return (prefix or "tensor", bad) if bad else None
+        return None
+    items = state.items() if isinstance(state, dict) else enumerate(state) if isinstance(state, list | tuple) else ()
+    for key, value in items:
+        found = first_nonfinite(value, f"{prefix}.{key}" if prefix else str(key))
+        if found:
+            return found
+    return None
+
+
+@dataclass
+class Written:
+    """What the background thread did with one copy (read on the training thread at the next wait)."""
+
+    step: int
+    bytes: int = 0
+    held: int = 0
+    write_s: float = 0.0
+    error: str | None = None
+
+
+@dataclass
+class MemoryTier:
+    """One rank's part of the tier for one round (an in-process restart makes a new one)."""
+
+    base: Path
+    rank: int
+    world: int
+    keep: int
+    buddy: int | None
+    ward: int | None
+    bound: files.Bound | None = None
+    group: ProcessGroup | None = None
+    thread: threading.Thread | None = None
+    done: Written | None = None
+    broken: str | None = None
+    """Why replication stopped for this round (a failed exchange leaves the group unusable)."""
+    saved: list[int] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, ctx: RunContext) -> MemoryTier:
+        m = ctx.policy.checkpoint.memory
+        per_node = ranks_per_node(ctx.world_size)
+        pair = m.replicate and ctx.world_size > 1
+        return cls(files.root(m.dir, ctx.policy.run.id, ctx.policy.checkpoint.dir), ctx.rank, ctx.world_size, m.keep,
+                   buddy_of(ctx.rank, ctx.world_size, per_node) if pair else None,
+                   ward_of(ctx.rank, ctx.world_size, per_node) if pair else None)
+
+    # ---- the group ---------------------------------------------------------------------------------------------
+    def _group(self, ctx: RunContext) -> ProcessGroup | None:
+        """The tier's gloo group over every rank (made at the same point on every rank: the start of training)."""
+        import torch.distributed as dist
+
+        if self.group is None and dist.is_initialized() and self.world > 1:
+            self.group = dist.new_group(backend="gloo",
+                                        timeout=datetime.timedelta(seconds=ctx.deadline("checkpoint")))
+        return self.group
+
+    def _wait(self, works: list[Any], what: str, ranks: list[int], deadline: float) -> None:
+        from lifecycle.distributed.collectives import wait_works
+
+        wait_works(works, what, "memory", ranks, deadline, time.monotonic())
+
+    # ---- copies ------------------------------------------------------------------------------------------------
+    def save(self, ctx: RunContext, step: int) -> None:
+        """Take this rank's copy of ``step`` and hand it to the background thread (every rank, at the same step
+        boundary: the exchange with the buddy pairs every rank)."""
+        from lifecycle.phases.checkpoint import step_handler
+
+        self.finish(ctx)
+        take = getattr(step_handler(ctx), "memory_state", None)
+        if self.bound is None or not callable(take):
+            return
+        group = self._group(ctx) if self.buddy is not None and self.broken is None else None
+        with ctx.events.span("memory_save", step=step) as extra:
+            state = take(ctx)
+            bad = first_nonfinite(state)
+            if bad is not None:
+                extra["refused"] = f"rank {self.rank}: {bad[0]} holds {bad[1]} non-finite value(s)"
+                log.error("memory copy of step %d not kept: %s", step, extra["refused"])
+                ctx.events.instant("state_check", step=step, tier="memory", tensor=bad[0], nonfinite=bad[1])
+                state = None
+        deadline = ctx.deadline("checkpoint")
+        self.thread = threading.Thread(target=self._write, args=(step, state, group, deadline),
+                                       name=f"lifecycle-memory-{step}", daemon=True)
+        self.thread.start()
+
+    def _write(self, step: int, state: Any, group: ProcessGroup | None, deadline: float) -> None:
+        import torch
+
+        done = Written(step)
+        t0 = time.perf_counter()
+        try:
+            blob = b""
+            if state is not None:
+                buf = io.BytesIO()
+                torch.save(state, buf)
+                blob = buf.getvalue()
+                assert self.bound is not None
+                own = files.own_dir(self.base, self.rank)
+                done.bytes = files.write(own, step, self.rank, blob, self.bound)
+                files.prune(own, self.keep)
+            if group is not None and self.buddy is not None and self.ward is not None:
+                got = self._exchange(blob, group, deadline)
+                if got:
+                    held = files.held_dir(self.base, self.ward)
+                    assert self.bound is not None
+                    done.held = files.write(held, step, self.ward, got, self.bound)
+                    files.prune(held, self.keep)
+        except BaseException as exc:  # noqa: BLE001 - reported on the training thread at the next wait
+            done.error = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+        done.write_s = time.perf_counter() - t0
+        self.done = done
+
+    def _exchange(self, blob: bytes, group: ProcessGroup, deadline: float) -> bytes:
+        """Send ``blob`` to the buddy and receive the ward's (either may be empty: a refused copy)."""
+        import torch
+        import torch.distributed as dist
+
+        assert self.buddy is not None and self.ward is not None
+        size, got = torch.tensor([len(blob)], dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+        works = [dist.isend(size, self.buddy, group=group), dist.irecv(got, self.ward, group=group)]
+        self._wait(works, "memory copy sizes", [self.buddy, self.ward], deadline)
+        works = []
+        out = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else None  # alive until sent
+        if out is not None:
+            works.append(dist.isend(out, self.buddy, group=group))
+        incoming = torch.empty(int(got.item()), dtype=torch.uint8)
+        if incoming.numel():
+            works.append(dist.irecv(incoming, self.ward, group=group))
+        self._wait(works, "memory copy bytes", [self.buddy, self.ward], deadline)
+        return incoming.numpy().tobytes() if incoming.numel() else b""
+
+    def finish(self, ctx: RunContext, timeout_s: float | None = None) -> None:
+        """Wait for the copy in flight (bounded by the checkpoint deadline) and record what became of it."""
+        thread, self.thread = self.thread, None
+        if thread is None:
+            return
+        deadline = ctx.deadline("checkpoint") if timeout_s is None else timeout_s
+        with ctx.events.span("memory_wait") as extra:
+            thread.join(deadline)
+            if thread.is_alive():
+                self.broken = f"the copy in flight did not finish in {deadline:g}s"
+                extra["error"] = self.broken
+                log.error("memory tier: %s; no more copies are replicated this round", self.broken)
+                return
+        done, self.done = self.done, None
+        if done is None:
+            return
+        ctx.events.instant("memory_saved", step=done.step, bytes=done.bytes, held=done.held,
+                           write_s=round(done.write_s, 4), error=done.error)
+        if done.error is not None:
+            if self.buddy is not None and self.broken is None:
+                self.broken = done.error
+            log.error("memory copy of step %d: %s", done.step, done.error)
+        elif done.bytes:
+            self.saved.append(done.step)
+
+    # ---- start: the lineage, the restore -----------------------------------------------------------------------
+    def start(self, ctx: RunContext) -> int:
+        """Agree on the lineage (global rank 0's), bind this run's copies to it, remove copies bound to anything
+        else; the persistent tracker's step as every rank read it (the largest). Every rank calls it, first."""
+        import torch
+        import torch.distributed as dist
+
+        ck = ctx.policy.checkpoint
+        lineage, tracked = 0, -1
+        if ctx.rank == 0:
+            lineage = files.lineage(ck.dir, new=ck.resume == "never")
+        tracker = ckptdir.read_tracker(Path(ck.dir))
+        if tracker.name is not None and tracker.error is None:
+            tracked = ckptdir.step_of(tracker.name) or 0
+        row = torch.tensor([lineage, tracked], dtype=torch.int64)
+        group = self._group(ctx)
+        if group is not None:
+            rows = [torch.zeros_like(row) for _ in range(self.world)]
+            work = dist.all_gather(rows, row, group=group, async_op=True)
+            self._wait([work], "all_gather(memory lineage)", list(range(self.world)), ctx.deadline("checkpoint"))
+            lineage, tracked = int(rows[0][0]), max(int(r[1]) for r in rows)
+        self.bound = files.Bound(self.world, binding.layout(ctx.policy, self.world, own_loop=ctx.own_loop),
+                                 binding.options(ctx.policy, own_loop=ctx.own_loop), lineage)
+        return tracked
+
+    def _usable(self, folder: Path, owner: int) -> list[int]:
+        """The steps of ``folder``'s copies of ``owner`` that can be used, newest first (checked: record, size,
+        sha256); the others are removed."""
+        assert self.bound is not None
+        ok = []
+        for step in files.steps(folder):
+            why = files.usable(folder, step, owner, self.bound)
+            if why is None:
+                try:
+                    files.read(folder, step)
+                except (ValueError, OSError) as exc:
+                    why = str(exc)
+            if why is None and len(ok) < SLOTS:
+                ok.append(step)
+            else:
+                log.warning("memory copy %s/step_%d not used: %s", folder, step, why or "more than kept")
+                files.drop(folder, step)
+        return ok
+
+    def restore(self, ctx: RunContext, tracked: int) -> bool | None:
+        """Resume from the newest step every rank holds, when it is not older than the tracker's ``tracked``:
+        True when every rank loaded it; False when a load ran and failed on some rank (the state may be partly
+        loaded: the persistent tier must load over it); None when no copy was used."""
+        import torch
+        import torch.distributed as dist
+
+        own = self._usable(files.own_dir(self.base, self.rank), self.rank)
+        held = self._usable(files.held_dir(self.base, self.ward), self.ward) if self.ward is not None else []
+        row = torch.full((2 * SLOTS,), -1, dtype=torch.int64)
+        row[:len(own)] = torch.tensor(own, dtype=torch.int64)
+        row[SLOTS:SLOTS + len(held)] = torch.tensor(held, dtype=torch.int64)
+        rows = [row]
+        group = self._group(ctx)
+        deadline = ctx.deadline("checkpoint")
+        if group is not None:
+            rows = [torch.zeros_like(row) for _ in range(self.world)]
+            work = dist.all_gather(rows, row, group=group, async_op=True)
+            self._wait([work], "all_gather(memory copies)", list(range(self.world)), deadline)
+        owns = [{int(s) for s in r[:SLOTS] if s >= 0} for r in rows]
+        helds = [{int(s) for s in r[SLOTS:] if s >= 0} for r in rows]
+        per_node = ranks_per_node(self.world)
+        pair = self.buddy is not None
+
+        def holds(rank: int) -> set[int]:
+            return owns[rank] | (helds[buddy_of(rank, self.world, per_node)] if pair else set())
+
+        common = set.intersection(*(holds(r) for r in range(self.world)))
+        best = max(common, default=None)
+        if best is None or best < max(tracked, 1):
+            if any(owns) or any(helds):
+                ctx.events.instant("memory_restore", used=False, step=best, tracked=tracked,
+                                   why="no step every rank holds" if best is None else "older than the tracker's")
+            return None
+        with ctx.events.span("memory_restore", step=best, tracked=tracked, deadline="checkpoint") as extra:
+            blob = self._transfer(best, owns, helds, group, deadline, per_node)
+            failed = self._load(ctx, blob, best)
+            agreed = self._agree(failed, best, group, deadline)
+            extra["moved"] = sorted(r for r in range(self.world) if best not in owns[r])
+            extra["failed"] = agreed
+        if agreed:
+            log.warning("memory copy of step %d did not load on ranks %s; resuming from the persistent tier", best,
+                        agreed)
+            return False
+        ctx.progress.step = best
+        ctx.progress.resumed_from = best
+        ctx.progress.resumed_tier = "memory"
+        if ctx.rank == 0:
+            again = f"attempt {ctx.attempt}: " if ctx.attempt > 1 else ""
+            last = f"step {tracked}" if tracked > 0 else "none"
+            print(f"{again}resumed from step {best} (memory copies; last committed checkpoint: {last})", flush=True)
+        return True
+
+    def _transfer(self, step: int, owns: list[set[int]], helds: list[set[int]], group: ProcessGroup | None,
+                  deadline: float, per_node: int) -> bytes | None:
+        """This rank's copy of ``step``: its own, or sent by its buddy (who sends what it holds to whoever lacks it)."""
+        import torch
+        import torch.distributed as dist
+
+        mine = files.read(files.own_dir(self.base, self.rank), step) if step in owns[self.rank] else None
+        if group is None or self.buddy is None or self.ward is None:
+            return mine
+        works: list[Any] = []
+        keep: list[torch.Tensor] = []  # alive until the sends complete
+        if step not in owns[self.ward]:  # my ward lost its copy: send it the one I hold
+            data = files.read(files.held_dir(self.base, self.ward), step)
+            keep += [torch.tensor([len(data)], dtype=torch.int64), torch.frombuffer(bytearray(data), dtype=torch.uint8)]
+            works += [dist.isend(keep[0], self.ward, group=group), dist.isend(keep[1], self.ward, group=group)]
+        size = torch.zeros(1, dtype=torch.int64)
+        if mine is None:
+            self._wait([dist.irecv(size, self.buddy, group=group)], "memory restore size", [self.buddy], deadline)
+            incoming = torch.empty(int(size.item()), dtype=torch.uint8)
+            works.append(dist.irecv(incoming, self.buddy, group=group))
+        self._wait(works, "memory restore bytes", [self.buddy, self.ward], deadline)
+        return incoming.numpy().tobytes() if mine is None else mine
+
+    def _load(self, ctx: RunContext, blob: bytes | None, step: int) -> bool:
+        """Load ``blob`` on this rank; whether it failed (logged)."""
+        import torch
+
+        from lifecycle.phases.checkpoint import step_handler
+
+        try:
+            if blob is None:
+                raise ValueError("no copy")
+            state = torch.load(io.BytesIO(blob), weights_only=True, map_location="cpu")
+            loaded = int(step_handler(ctx).load_memory_state(ctx, state))  # type: ignore[attr-defined]
+            if loaded != step:
+                raise ValueError(f"the copy holds step {loaded}, not {step}")
+        except Exception as exc:  # noqa: BLE001 - agreed below, then the persistent tier
+            log.error("memory copy of step %d does not load on rank %d: %s: %s", step, self.rank,
+                      type(exc).__name__, str(exc)[:300])
+            return True
+        return False
+
+    def _agree(self, failed: bool, step: int, group: ProcessGroup | None, deadline: float) -> list[int]:
+        import torch
+        import torch.distributed as dist
+
+        if group is None:
+            return [self.rank] if failed else []
+        mine = torch.tensor([1 if failed else 0], dtype=torch.int64)
+        out = [torch.zeros_like(mine) for _ in range(self.world)]
+        work = dist.all_gather(out, mine, group=group, async_op=True)
+        self._wait([work], f"all_gather(memory restore of step {step})", list(range(self.world)), deadline)
+        return [r for r, t in enumerate(out) if int(t[0])]
+
+    # ---- the end -----------------------------------------------------------------------------------------------
+    def close(self, ctx: RunContext, *, finished: bool, wait_s: float | None = None) -> None:
+        """Wait for a copy in flight (``wait_s``, else the checkpoint deadline); on a finished run remove this
+        rank's copies: the run is over and the persistent tier holds what it saved."""
+        if self.thread is not None:
+            self.finish(ctx, timeout_s=wait_s)
+        if finished:
+            files.remove_rank(self.base, self.rank, self.ward)

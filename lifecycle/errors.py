@@ -143,6 +143,11 @@ class PhaseError(LifecycleError):
     """A phase handler failed on this rank."""
 
 
+class BadState(PhaseError):
+    """A rank's state holds a NaN or inf at a save (``checkpoint.check_finite``): never saved; a restart resumes
+    from the last good state."""
+
+
 class DrillError(PhaseError):
     """Raised by a ``raise`` fault drill."""
 

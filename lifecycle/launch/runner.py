@@ -143,9 +143,10 @@ def _attempts(policy: Policy, nproc: int, run_dir: Path, overrides: Sequence[str
         blame = info.get("blame") or {}
         who = (f"ranks {fmt_ranks(blame['ranks'])} ({blame.get('cause')} in phase {blame.get('phase')})"
                if blame.get("ranks") else str(info.get("outcome", f"exit {code}")))
+        source = ("the newest step its memory copies or the last commit hold" if policy.checkpoint.memory.every_steps
+                  else "the last committed checkpoint")
         print(f"restart  attempt {info.get('attempt')} failed (exit {code}): {who}; restart {done} of "
-              f"{policy.restart.max_restarts}: the next attempt resumes from the last committed checkpoint",
-              flush=True)
+              f"{policy.restart.max_restarts}: the next attempt resumes from {source}", flush=True)
 
 
 def _refusal(policy: Policy, run_dir: Path) -> str | None:

@@ -89,6 +89,10 @@ def save(ctx: RunContext, reason: str) -> None:
     if reason == ASYNC_COMMIT:
         return
     deadline = ctx.deadline("checkpoint")
+    if ctx.policy.checkpoint.check_finite:
+        from lifecycle.phases.state_check import live_nonfinite, refuse_nonfinite
+
+        refuse_nonfinite(ctx, live_nonfinite(step_handler(ctx)), ctx.step, "persistent")
     run_points(ctx, "before_checkpoint", deadline)
     root = Path(ctx.policy.checkpoint.dir)
     final = root / ckptdir.iter_name(ctx.step)

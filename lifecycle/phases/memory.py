@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from lifecycle.checkpoint import binding, ckptdir
 from lifecycle.checkpoint import memory as files
 from lifecycle.errors import CheckpointError
+from lifecycle.phases.state_check import first_nonfinite, refuse_nonfinite
 
 if TYPE_CHECKING:
     import torch
@@ -80,23 +81,6 @@ def tier(ctx: RunContext) -> MemoryTier | None:
         ctx.comms.memory = MemoryTier.of(ctx)
     tier_: MemoryTier = ctx.comms.memory
     return tier_
-
-
-def first_nonfinite(state: Any, prefix: str = "") -> tuple[str, int] | None:
-    """The first floating tensor in ``state`` (nested dicts, lists) holding a NaN or inf, and how many it holds."""
-    import torch
-
-    if isinstance(state, torch.Tensor):
-        if state.is_floating_point() or state.is_complex():
-            bad = int((~torch.isfinite(state)).sum())
-            return (prefix or "tensor", bad) if bad else None
-        return None
-    items = state.items() if isinstance(state, dict) else enumerate(state) if isinstance(state, list | tuple) else ()
-    for key, value in items:
-        found = first_nonfinite(value, f"{prefix}.{key}" if prefix else str(key))
-        if found:
-            return found
-    return None
 
 
 @dataclass
@@ -165,12 +149,8 @@ class MemoryTier:
         group = self._group(ctx) if self.buddy is not None and self.broken is None else None
         with ctx.events.span("memory_save", step=step) as extra:
             state = take(ctx)
-            bad = first_nonfinite(state)
-            if bad is not None:
-                extra["refused"] = f"rank {self.rank}: {bad[0]} holds {bad[1]} non-finite value(s)"
-                log.error("memory copy of step %d not kept: %s", step, extra["refused"])
-                ctx.events.instant("state_check", step=step, tier="memory", tensor=bad[0], nonfinite=bad[1])
-                state = None
+            if ctx.policy.checkpoint.check_finite:
+                refuse_nonfinite(ctx, first_nonfinite(state), step, "memory")
         deadline = ctx.deadline("checkpoint")
         self.thread = threading.Thread(target=self._write, args=(step, state, group, deadline),
                                        name=f"lifecycle-memory-{step}", daemon=True)

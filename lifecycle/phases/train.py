@@ -77,6 +77,24 @@ def leave_for_restart(ctx: RunContext) -> None:
                                rank=ctx.rank)
 
 
+def _poison(handler: object) -> None:
+    """A ``nan_weights`` drill: a NaN in the first floating parameter of the step handler's model (the built-in kinds' and a
+    watched trainer's modules)."""
+    import torch
+
+    state = getattr(handler, "state", None)
+    modules = [getattr(handler, "model", None), *(getattr(handler, "chunks", None) or []),
+               *(getattr(state, "chunks", None) or [])]
+    for module in modules:
+        if isinstance(module, torch.nn.Module):
+            for param in module.parameters():
+                if param.is_floating_point():
+                    with torch.no_grad():
+                        param.view(-1)[0] = float("nan")
+                    log.warning("FAULT DRILL: a NaN written into a parameter of shape %s", tuple(param.shape))
+                    return
+
+
 class Decision(NamedTuple):
     """What a step boundary decided: ``save`` (a checkpoint is due at this step: taken already when lifecycle
     saves the model itself) and ``stop`` (every rank agreed to stop after this step)."""
@@ -128,6 +146,9 @@ class StepLoop:
         for hook in self.on_step:
             hook(step)
         ctx.drills.fire("train", step=step)
+        if ctx.drills.poisoned:
+            ctx.drills.poisoned = False
+            _poison(ctx.step_handler)
         self._metrics = {}
         self.outside_step_s = 0.0
         t0 = time.monotonic()

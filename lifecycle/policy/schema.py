@@ -122,6 +122,9 @@ class CheckpointConfig(Section):
     """auto: load the tracker's checkpoint when there is one; required: error when there is none."""
     on_corrupt: Literal["error", "fallback"] = "error"
     """A corrupt or missing checkpoint at resume: error, or fall back to the previous committed one."""
+    check_finite: Flag = True
+    """Before every save (either tier) check that each rank's state is finite: a NaN or inf fails the run on that
+    rank naming the tensor, and is never saved (the next attempt resumes from the last good state)."""
     memory: MemoryTierConfig = MemoryTierConfig()
     """The in-memory checkpoint tier (off by default)."""
 
@@ -254,13 +257,15 @@ class FaultDrill(Section):
     attempts: list[PositiveInt] | None = None
     """The attempts of the run it fires in (1: the first launch; each restart or re-run is the next); null: every
     attempt. [1] rehearses a fault the restart recovers from."""
-    action: Literal["stall", "crash", "raise", "signal", "skip", "zero_tokens", "slow", "hold_memory"]
+    action: Literal["stall", "crash", "raise", "signal", "skip", "zero_tokens", "slow", "hold_memory", "nan_weights"]
     """stall: sleep forever; crash: os._exit; raise: an exception; signal: SIGTERM to itself; skip: skip a collective;
     zero_tokens: the routers send no token to these ranks' local experts, at every step from `step` on (or at `steps`);
     slow: `seconds` of extra compute in every train step from `step` on (a straggler); at checkpoint, `seconds`
     once before the matching op (a slow file system: op save or commit); hold_memory: at warmup, `mib` of resident
     memory held from the matching warm op on, as if that group's communicator took more than estimated (the
-    communicator budget's rehearsal on gloo; on CUDA warmup measures device memory, which this does not move)."""
+    communicator budget's rehearsal on gloo; on CUDA warmup measures device memory, which this does not move); nan_weights:
+    at train, a NaN written into one of this rank's parameters as the step begins (a corrupted state, for the state
+    checks of the checkpoint tiers)."""
     seconds: Seconds | None = None
     """slow only: extra seconds per step (train), or once (checkpoint)."""
     mib: PositiveFloat | None = None
@@ -287,6 +292,8 @@ class FaultDrill(Section):
         if (self.action == "hold_memory") != (self.mib is not None) or (
                 self.action == "hold_memory" and self.at != "warmup"):
             raise ValueError("a hold_memory drill is at: warmup, with mib; mib applies to hold_memory drills only")
+        if self.action == "nan_weights" and self.at != "train":
+            raise ValueError("a nan_weights drill is at: train")
         if self.group is not None:
             check_group_name(self.group)
         return self

@@ -3,7 +3,7 @@ in a node-local folder (``checkpoint.memory.dir``, tmpfs: they outlive the rank'
 
 ::
 
-    <memory.dir>/lifecycle-<key>/          one folder per run (key: the run id and the checkpoint folder)
+    <memory.dir>/lifecycle-<key>/          one folder per run (key: its checkpoint folder)
       own/rank_<R>/step_<N>.bin|.json      rank R's state at step N, written by rank R
       held/rank_<R>/step_<N>.bin|.json     rank R's state at step N, held by R's buddy (another node's rank)
 
@@ -37,9 +37,10 @@ MAX_BLOB = 1 << 44
 """16 TiB: no one rank's state is larger (a record naming more is forged)."""
 
 
-def root(memory_dir: str | Path, run_id: str, checkpoint_dir: str | Path) -> Path:
-    """This run's folder under ``memory_dir``: one per run id and checkpoint folder (two runs never share one)."""
-    key = hashlib.sha256(f"{run_id}\0{Path(checkpoint_dir).resolve()}".encode()).hexdigest()[:16]
+def root(memory_dir: str | Path, checkpoint_dir: str | Path) -> Path:
+    """The run's folder under ``memory_dir``: one per checkpoint folder — the run's, whatever launches it again
+    (each ``lifecycle run`` of the same run directory has a run id of its own)."""
+    key = hashlib.sha256(str(Path(checkpoint_dir).resolve()).encode()).hexdigest()[:16]
     return Path(memory_dir) / f"lifecycle-{key}"
 
 

@@ -98,21 +98,29 @@ def _launch(policy: Policy, nproc: int, run_dir: Path, overrides: Sequence[str],
     from lifecycle.launch.local import PreloadPool
 
     pool = PreloadPool()  # one preload process for every attempt: a relaunch does not import torch again
+    code: int | None = None
     try:
-        return _attempts(policy, nproc, run_dir, overrides, trap, pool)
+        code = _attempts(policy, nproc, run_dir, overrides, trap, pool)
+        return code
     finally:
         pool.close()
-        _drop_memory_copies(policy)
+        _memory_copies_after(policy, code)
 
 
-def _drop_memory_copies(policy: Policy) -> None:
-    """The run is over on this node (whatever its outcome): the memory tier's copies of its ranks go (they are
-    node memory; the persistent checkpoints hold what the run committed)."""
+def _memory_copies_after(policy: Policy, code: int | None) -> None:
+    """The run is over on this node: the memory tier's copies (node memory) go when it finished, was refused or
+    stopped for good (no progress); after a failure they stay for the run's next attempt (the same command again, a
+    scheduler's requeue on this node), said with the way to free them."""
     m = policy.checkpoint.memory
-    if m.every_steps:
-        from lifecycle.checkpoint import memory
+    if not m.every_steps:
+        return
+    from lifecycle.checkpoint import memory
 
-        memory.remove(memory.root(m.dir, policy.run.id, policy.checkpoint.dir))
+    base = memory.root(m.dir, policy.checkpoint.dir)
+    if code in (0, ExitCode.USAGE, policy.teardown.exit_codes.no_progress) or not base.is_dir():
+        memory.remove(base)
+        return
+    print(f"memory   copies kept in {base} for the next attempt of this run (rm -rf {base} frees them)", flush=True)
 
 
 def _attempts(policy: Policy, nproc: int, run_dir: Path, overrides: Sequence[str], trap: SignalTrap,

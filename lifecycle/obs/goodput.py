@@ -136,7 +136,8 @@ def _failures(a: _Attempt) -> list[tuple[int, int]]:
     return out
 
 
-_LABEL = {"step": "step", "resume": "restore", "verify": "restore", "phase:checkpoint": "checkpoint",
+_LABEL = {"step": "step", "resume": "restore", "verify": "restore", "memory_restore": "restore",
+          "memory_save": "checkpoint", "memory_wait": "checkpoint", "phase:checkpoint": "checkpoint",
           "phase:teardown": "teardown", "phase:init": "startup", "phase:warmup": "startup"}
 Interval = tuple[int, int, str, Span | None]
 """``(start_us, end_us, label, the span it comes from)``: a span, or a failure's detection or teardown window."""

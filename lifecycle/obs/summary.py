@@ -200,7 +200,8 @@ def _with_restart_times(run_dir: Path, earlier: list[dict[str, Any]]) -> list[di
     return earlier
 
 
-_STAGES = {"phase:init": "init_s", "phase:warmup": "warmup_s", "resume": "load_s", "step": "first_step_s"}
+_STAGES = {"phase:init": "init_s", "phase:warmup": "warmup_s", "resume": "load_s", "memory_restore": "load_s",
+           "step": "first_step_s"}
 """The spans after a restart in place whose duration is a stage of it (the first of each)."""
 
 

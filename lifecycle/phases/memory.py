@@ -2,11 +2,11 @@
 replicated to a buddy rank on another node, restored by the next attempt after a failure.
 
 At every ``memory.every_steps``-th step boundary each rank takes a copy of its state (the step handler's
-``memory_state``: CPU tensors, on the training thread) after checking that every tensor is finite (a state with a NaN
-or inf is never kept: the event names the rank and the tensor). A background thread writes the copy into the node's
-folder (:mod:`lifecycle.checkpoint.memory`) and exchanges it with the buddy over a dedicated gloo group (sizes first,
-then the bytes; every rank takes part in every exchange, an empty one when its copy was refused), bounded by the
-checkpoint deadline. The next copy waits for the previous one.
+``memory_state``: CPU tensors, on the training thread) after checking that every tensor is finite
+(:mod:`lifecycle.phases.state_check`). A background thread writes the copy into the node's folder
+(:mod:`lifecycle.checkpoint.memory`), exchanges it with the buddy over a dedicated gloo group (sizes first, then the
+bytes) and, once every rank says both are written, drops the older copies; each wait bounded by the checkpoint
+deadline. The next copy waits for the previous one.
 
 At resume (every rank, before the persistent tier) the ranks agree on the newest step that **every** rank holds —
 its own copy, or the one its buddy holds for it — checked against its record and digest and bound to this run's
@@ -83,6 +83,21 @@ def tier(ctx: RunContext) -> MemoryTier | None:
     return tier_
 
 
+def choose(owns: list[set[int]], helds: list[set[int]], per_node: int | None, tracked: int) -> int | None:
+    """The step to restore: the newest that every rank holds — its own copy (``owns[rank]``) or, with buddies
+    (``per_node``: ranks per node; None without replication), the copy its buddy holds for it (``helds[buddy]``) —
+    when it is not older than the persistent tier's ``tracked`` step; else None. The same on every rank (the
+    inputs are gathered)."""
+    world = len(owns)
+
+    def holds(rank: int) -> set[int]:
+        return owns[rank] | (helds[buddy_of(rank, world, per_node)] if per_node is not None else set())
+
+    common = set.intersection(*(holds(r) for r in range(world))) if world else set()
+    best = max(common, default=None)
+    return best if best is not None and best >= max(tracked, 1) else None
+
+
 @dataclass
 class Written:
     """What the background thread did with one copy (read on the training thread at the next wait)."""
@@ -109,7 +124,8 @@ class MemoryTier:
     thread: threading.Thread | None = None
     done: Written | None = None
     broken: str | None = None
-    """Why replication stopped for this round (a failed exchange leaves the group unusable)."""
+    """Why copies stopped for this round (a failed exchange or agreement leaves the group unusable; the copies
+    already written stay for the next round)."""
     saved: list[int] = field(default_factory=list)
 
     @classmethod
@@ -117,7 +133,7 @@ class MemoryTier:
         m = ctx.policy.checkpoint.memory
         per_node = ranks_per_node(ctx.world_size)
         pair = m.replicate and ctx.world_size > 1
-        return cls(files.root(m.dir, ctx.policy.run.id, ctx.policy.checkpoint.dir), ctx.rank, ctx.world_size, m.keep,
+        return cls(files.root(m.dir, ctx.policy.checkpoint.dir), ctx.rank, ctx.world_size, m.keep,
                    buddy_of(ctx.rank, ctx.world_size, per_node) if pair else None,
                    ward_of(ctx.rank, ctx.world_size, per_node) if pair else None)
 
@@ -143,11 +159,12 @@ class MemoryTier:
         from lifecycle.phases.checkpoint import step_handler
 
         self.finish(ctx)
+        ctx.drills.fire("checkpoint", step=step, op="memory")  # the copies of the last one are done
         take = getattr(step_handler(ctx), "memory_state", None)
-        if self.bound is None or not callable(take):
+        if self.bound is None or not callable(take) or self.broken is not None:
             return
-        group = self._group(ctx) if self.buddy is not None and self.broken is None else None
-        with ctx.events.span("memory_save", step=step) as extra:
+        group = self._group(ctx)
+        with ctx.events.span("memory_save", step=step):
             state = take(ctx)
             if ctx.policy.checkpoint.check_finite:
                 refuse_nonfinite(ctx, first_nonfinite(state), step, "memory")
@@ -157,34 +174,47 @@ class MemoryTier:
         self.thread.start()
 
     def _write(self, step: int, state: Any, group: ProcessGroup | None, deadline: float) -> None:
+        """The background thread: this rank's copy, the exchange with the buddies, then — once every rank says its
+        copy and the one it holds are written — the older copies go. Until then they stay: a failure at any moment
+        leaves the last step every rank completed."""
         import torch
 
         done = Written(step)
         t0 = time.perf_counter()
+        own, held = files.own_dir(self.base, self.rank), None
         try:
-            blob = b""
-            if state is not None:
-                buf = io.BytesIO()
-                torch.save(state, buf)
-                blob = buf.getvalue()
-                assert self.bound is not None
-                own = files.own_dir(self.base, self.rank)
-                done.bytes = files.write(own, step, self.rank, blob, self.bound)
-                files.prune(own, self.keep)
+            assert self.bound is not None
+            buf = io.BytesIO()
+            torch.save(state, buf)
+            blob = buf.getvalue()
+            done.bytes = files.write(own, step, self.rank, blob, self.bound)
             if group is not None and self.buddy is not None and self.ward is not None:
                 got = self._exchange(blob, group, deadline)
-                if got:
-                    held = files.held_dir(self.base, self.ward)
-                    assert self.bound is not None
-                    done.held = files.write(held, step, self.ward, got, self.bound)
+                held = files.held_dir(self.base, self.ward)
+                done.held = files.write(held, step, self.ward, got, self.bound)
+            if self._everyone_wrote(group, deadline):
+                files.prune(own, self.keep)
+                if held is not None:
                     files.prune(held, self.keep)
         except BaseException as exc:  # noqa: BLE001 - reported on the training thread at the next wait
             done.error = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
         done.write_s = time.perf_counter() - t0
         self.done = done
 
+    def _everyone_wrote(self, group: ProcessGroup | None, deadline: float) -> bool:
+        """Every rank wrote its copy (and the one it holds): an all-reduce on the tier's group (True alone)."""
+        import torch
+        import torch.distributed as dist
+
+        if group is None:
+            return True
+        flag = torch.ones(1, dtype=torch.int64)
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group, async_op=True)
+        self._wait([work], "all_reduce(memory copies written)", list(range(self.world)), deadline)
+        return bool(flag.item())
+
     def _exchange(self, blob: bytes, group: ProcessGroup, deadline: float) -> bytes:
-        """Send ``blob`` to the buddy and receive the ward's (either may be empty: a refused copy)."""
+        """Send ``blob`` to the buddy and receive the ward's."""
         import torch
         import torch.distributed as dist
 
@@ -213,7 +243,7 @@ class MemoryTier:
             if thread.is_alive():
                 self.broken = f"the copy in flight did not finish in {deadline:g}s"
                 extra["error"] = self.broken
-                log.error("memory tier: %s; no more copies are replicated this round", self.broken)
+                log.error("memory tier: %s; no more copies this round", self.broken)
                 return
         done, self.done = self.done, None
         if done is None:
@@ -221,9 +251,8 @@ class MemoryTier:
         ctx.events.instant("memory_saved", step=done.step, bytes=done.bytes, held=done.held,
                            write_s=round(done.write_s, 4), error=done.error)
         if done.error is not None:
-            if self.buddy is not None and self.broken is None:
-                self.broken = done.error
-            log.error("memory copy of step %d: %s", done.step, done.error)
+            self.broken = done.error
+            log.error("memory copy of step %d: %s; no more copies this round", done.step, done.error)
         elif done.bytes:
             self.saved.append(done.step)
 
@@ -293,20 +322,14 @@ class MemoryTier:
         owns = [{int(s) for s in r[:SLOTS] if s >= 0} for r in rows]
         helds = [{int(s) for s in r[SLOTS:] if s >= 0} for r in rows]
         per_node = ranks_per_node(self.world)
-        pair = self.buddy is not None
-
-        def holds(rank: int) -> set[int]:
-            return owns[rank] | (helds[buddy_of(rank, self.world, per_node)] if pair else set())
-
-        common = set.intersection(*(holds(r) for r in range(self.world)))
-        best = max(common, default=None)
-        if best is None or best < max(tracked, 1):
+        best = choose(owns, helds, per_node if self.buddy is not None else None, tracked)
+        if best is None:
             if any(owns) or any(helds):
-                ctx.events.instant("memory_restore", used=False, step=best, tracked=tracked,
-                                   why="no step every rank holds" if best is None else "older than the tracker's")
+                ctx.events.instant("memory_restore", used=False, tracked=tracked,
+                                   why="no step every rank holds that is newer than the last commit")
             return None
         with ctx.events.span("memory_restore", step=best, tracked=tracked, deadline="checkpoint") as extra:
-            blob = self._transfer(best, owns, helds, group, deadline, per_node)
+            blob = self._transfer(best, owns, group, deadline)
             failed = self._load(ctx, blob, best)
             agreed = self._agree(failed, best, group, deadline)
             extra["moved"] = sorted(r for r in range(self.world) if best not in owns[r])
@@ -324,8 +347,7 @@ class MemoryTier:
             print(f"{again}resumed from step {best} (memory copies; last committed checkpoint: {last})", flush=True)
         return True
 
-    def _transfer(self, step: int, owns: list[set[int]], helds: list[set[int]], group: ProcessGroup | None,
-                  deadline: float, per_node: int) -> bytes | None:
+    def _transfer(self, step: int, owns: list[set[int]], group: ProcessGroup | None, deadline: float) -> bytes | None:
         """This rank's copy of ``step``: its own, or sent by its buddy (who sends what it holds to whoever lacks it)."""
         import torch
         import torch.distributed as dist

@@ -379,4 +379,10 @@ def after_resume(ctx: RunContext) -> None:
 
         for model in ctx.deadlines.learned.values():
             model.after_resume()
-        learned.load(ctx, Path(ctx.policy.checkpoint.dir) / ckptdir.iter_name(ctx.progress.resumed_from))
+        root = Path(ctx.policy.checkpoint.dir)
+        if ctx.progress.resumed_tier == "memory":  # what was learned is saved with the commits: the newest one's
+            tracker = ckptdir.read_tracker(root)
+            if tracker.name is not None and tracker.error is None:
+                learned.load(ctx, root / tracker.name)
+            return
+        learned.load(ctx, root / ckptdir.iter_name(ctx.progress.resumed_from))

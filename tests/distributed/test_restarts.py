@@ -70,20 +70,23 @@ def test_attempts_that_never_commit_a_newer_checkpoint_stop_the_restarts_with_th
 
 
 @pytest.mark.timeout(150)
-def test_a_raise_restarts_in_place_in_the_same_processes_and_resumes(tmp_path: Path) -> None:
-    # Real Megatron (MoE, ep 2): rank 2 raises at step 7 while rank 0 computes (a slow step): rank 2's peers leave
-    # their collectives, rank 0 at its watchdog's word; all re-create their groups and resume from step 5.
-    run = lifecycle_run(tmp_path, 4, *FAST, "train.steps=10", "checkpoint.every_steps=5", "restart.max_restarts=1",
-                        "restart.mode=in_process",
+def test_a_raise_restarts_in_place_in_the_same_processes_and_resumes_from_the_memory_copies(tmp_path: Path) -> None:
+    # Real Megatron (MoE, ep 2, distributed optimizer): rank 2 raises at step 7 while rank 0 computes (a slow step):
+    # rank 2's peers leave their collectives, rank 0 at its watchdog's word; all re-create their groups and resume
+    # from the memory tier's copies of step 4 (nothing committed yet), and steps 5 and 6 come out as they did.
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    run = lifecycle_run(tmp_path, 4, *FAST, "train.steps=10", "checkpoint.every_steps=10", "restart.max_restarts=1",
+                        "checkpoint.memory.every_steps=4", f"checkpoint.memory.dir={shm}", "restart.mode=in_process",
                         "+faults=[{at: train, step: 7, ranks: [2], action: raise, attempts: [1]}, "
                         "{at: train, step: 7, ranks: [0], action: slow, seconds: 4, attempts: [1]}]", timeout=140)
     assert run.code == 0, run.output
     assert ("restart  attempt 1 failed (exit 4): ranks 2 (failed in phase train); in-process restart 1 of 1"
             in run.output), run.output
-    assert "attempt 2: resumed from step 5" in run.output
+    assert "attempt 2: resumed from step 4 (memory copies; last committed checkpoint: none)" in run.output
     assert not (run.run_dir / "attempts" / "1" / "events").exists()  # no relaunch: the same files go on
     summary = run.summary()
-    assert summary["attempt"] == 2 and summary["loss"]["steps"] == 5 and summary["blame"] is None
+    assert summary["attempt"] == 2 and summary["loss"]["steps"] == 6 and summary["blame"] is None
     [first] = summary["earlier_attempts"]
     assert first["mode"] == "in_process" and first["blame"]["ranks"] == [2] and first["last_step"] == 6
     assert set(first["stages"]) == {"report_s", "destroy_s", "agree_s", "init_s", "warmup_s", "load_s", "first_step_s"}
@@ -96,6 +99,11 @@ def test_a_raise_restarts_in_place_in_the_same_processes_and_resumes(tmp_path: P
         # Megatron DDP's gradient-accumulator hooks were removed at release).
         [restart] = [e for e in events if e["name"] == "restart_in_process"]
         assert restart["left_alive_modules"] == 0 and restart["left_alive_param_bytes"] == 0, restart
+        losses: dict[int, list[float]] = {}
+        for e in events:
+            if e["name"] == "step" and e["kind"] == "end" and "loss" in e:
+                losses.setdefault(e["step"], []).append(e["loss"])
+        assert losses[5][0] == losses[5][1] and losses[6][0] == losses[6][1], losses  # restored bit for bit
     assert "connection(s) of this rank's process groups shut down" in run.log(0)  # its watchdog took it out
     ledger = [json.loads(line) for line in (run.run_dir / "restarts.jsonl").read_text().splitlines()]
     assert [(r["attempt"], r.get("exit_code")) for r in ledger if "exit_code" in r][:2] == [(1, 4), (2, 0)]

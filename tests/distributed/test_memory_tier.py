@@ -1,0 +1,87 @@
+"""The in-memory checkpoint tier on real gloo ranks (the synthetic kind, world 4): a relaunch resumes from the newest
+step every rank holds — a rank whose copy is lost or damaged gets its buddy's — the losses go on exactly as in an
+uninterrupted run, and a non-finite state is never saved to either tier. The megatron kind's copies restored in place:
+tests/distributed/test_restarts.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.distributed.runs import FAST, SYNTHETIC, Run, lifecycle_run
+
+pytestmark = pytest.mark.distributed
+
+STEPS = ["train.steps=12", "checkpoint.every_steps=10", "checkpoint.memory.every_steps=2"]
+
+
+def _losses(run: Run) -> dict[int, float]:
+    """Rank 0's loss of every step of the run's last attempt."""
+    return {e["step"]: e["loss"] for e in run.events()[0] if e["name"] == "step" and e["kind"] == "end"
+            and "loss" in e}
+
+
+def _copies(base: Path) -> dict[str, list[str]]:
+    return {f"{d.parent.name}/{d.name}": sorted(p.name for p in d.iterdir())
+            for d in sorted(base.glob("*/rank_*"))}
+
+
+@pytest.mark.timeout(170)
+def test_lost_damaged_and_non_finite_states_resume_from_the_newest_good_step_and_train_on_unchanged(
+        tmp_path: Path) -> None:
+    def run(folder: str, *extra: str) -> Run:
+        shm = tmp_path / folder / "shm"
+        shm.mkdir(parents=True, exist_ok=True)
+        return lifecycle_run(tmp_path / folder, 4, *SYNTHETIC, *FAST, *STEPS, f"checkpoint.memory.dir={shm}", *extra)
+
+    # An uninterrupted run: the losses every other run must reach.
+    clean = run("clean")
+    assert clean.code == 0, clean.output
+    expected = _losses(clean)
+    assert len(expected) == 12 and not list((tmp_path / "clean" / "shm").iterdir())  # a finished run leaves none
+
+    # Attempt 1 dies after step 10 (rank 2, kill -9, as it takes its copy; no commit yet): step 8's stay.
+    crashed = run("lost", "checkpoint.every_steps=0", "restart.max_restarts=0",
+                  "+faults=[{at: checkpoint, step: 10, op: memory, ranks: [2], action: crash}]")
+    assert crashed.code == 4, crashed.output
+    [base] = (tmp_path / "lost" / "shm").iterdir()
+    assert f"memory   copies kept in {base}" in crashed.output
+    copies = _copies(base)  # step 10's copies never completed on every rank: nobody dropped step 8's
+    assert copies["own/rank_2"] == ["step_8.bin", "step_8.json"], copies
+    assert len(copies) == 8 and all({"step_8.bin", "step_8.json"} <= set(names) for names in copies.values()), copies
+    # Then rank 1's node loses its memory, one byte of rank 3's copy flips, and a forged newer copy appears.
+    for p in (base / "own" / "rank_1").iterdir():
+        p.unlink()
+    blob = base / "own" / "rank_3" / "step_8.bin"
+    data = bytearray(blob.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    blob.write_bytes(bytes(data))
+    record = json.loads((base / "own" / "rank_0" / "step_8.json").read_text())
+    (base / "own" / "rank_0" / "step_10.bin").write_bytes(b"forged")
+    (base / "own" / "rank_0" / "step_10.json").write_text(json.dumps({**record, "step": 10, "size": 6}))
+    resumed = run("lost", "checkpoint.every_steps=0")  # the same command again, the drill gone
+    assert resumed.code == 0, resumed.output
+    assert "attempt 2: resumed from step 8 (memory copies; last committed checkpoint: none)" in resumed.output
+    [restore] = [e for e in resumed.events()[0] if e["name"] == "memory_restore" and e["kind"] == "end"]
+    assert restore["moved"] == [1, 3] and restore["failed"] == [], restore  # from their buddies, ranks 2 and 0
+    assert "does not match its record" in resumed.log(3) and "step_10 not used" in resumed.log(0)
+    assert _losses(resumed) == {s: v for s, v in expected.items() if s > 8}  # bit for bit
+    goodput: dict[str, Any] = resumed.summary()["goodput"]
+    assert goodput["steps"] == {"productive": 12, "lost": 2}, goodput  # steps 9 and 10, computed twice
+    assert not base.exists()
+
+    # A NaN written into rank 1's weights at step 9: the persistent save of step 10 is refused, naming the tensor;
+    # the restart resumes from step 8's copies and reaches the clean run's losses.
+    poisoned = run("nan", "restart.max_restarts=1",
+                   "+faults=[{at: train, step: 9, ranks: [1], action: nan_weights, attempts: [1]}]")
+    assert poisoned.code == 0, poisoned.output
+    assert "the state of step 10 holds" in poisoned.output and "not saved to the persistent tier" in poisoned.output
+    assert "attempt 2: resumed from step 8 (memory copies" in poisoned.output
+    archived = tmp_path / "nan" / "run" / "attempts" / "1" / "events"
+    checks = [json.loads(line) for f in sorted(archived.glob("rank_*.jsonl")) for line in f.read_text().splitlines()
+              if '"state_check"' in line]
+    assert checks and all(c["tier"] == "persistent" and c["step"] == 10 and c["nonfinite"] > 0 for c in checks)
+    assert _losses(poisoned) == {s: v for s, v in expected.items() if s > 8}

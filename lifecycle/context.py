@@ -29,7 +29,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from lifecycle.policy.base import check_deadline_key
 
@@ -94,10 +94,19 @@ class Identity:
     """A trainer's own loop (``lifecycle.attach``): the policy's train kind does not say which groups it uses."""
 
 
+class TierHandle(Protocol):
+    """What teardown needs of the memory tier (:class:`lifecycle.phases.memory.MemoryTier`)."""
+
+    group: ProcessGroup | None
+
+    def close(self, ctx: RunContext, *, finished: bool, wait_s: float | None = None) -> None: ...
+
+
 @dataclass
 class Communicators:
     """This rank's communicators and whose they are. Changed by init (store, adoption), warmup (groups), the
-    checkpoint coordination (its gloo group) and teardown (releases); fixed per in-process restart round."""
+    checkpoint coordination and the memory tier (their gloo groups) and teardown (releases); fixed per in-process
+    restart round."""
 
     restart_round: int = 0
     """In-process restarts this process made: the store prefix of its process groups and watchdog keys."""
@@ -110,7 +119,7 @@ class Communicators:
     place (the watchdog thread reads it)."""
     ckpt_group: ProcessGroup | None = None
     """The dedicated gloo group of ``checkpoint.coordination: gloo`` (created at the first save)."""
-    memory: Any = None
+    memory: TierHandle | None = None
     """The round's in-memory checkpoint tier (:class:`lifecycle.phases.memory.MemoryTier`: its gloo group and the
     copy in flight), made at the start of training when ``checkpoint.memory.every_steps`` is set."""
     adopted_world: bool = False

@@ -23,9 +23,10 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from lifecycle.checkpoint import binding, ckptdir
 from lifecycle.checkpoint import memory as files
@@ -34,7 +35,7 @@ from lifecycle.phases.state_check import first_nonfinite, refuse_nonfinite
 
 if TYPE_CHECKING:
     import torch
-    from torch.distributed import ProcessGroup
+    from torch.distributed import ProcessGroup, Work
 
     from lifecycle.context import RunContext
 
@@ -71,7 +72,7 @@ def tier(ctx: RunContext) -> MemoryTier | None:
     step handler without ``memory_state`` and ``load_memory_state`` is a CheckpointError naming the kind."""
     if not ctx.policy.checkpoint.memory.every_steps or ctx.step_handler is None:
         return None
-    if ctx.comms.memory is None:
+    if not isinstance(ctx.comms.memory, MemoryTier):
         handler = ctx.step_handler
         if not (callable(getattr(handler, "memory_state", None)) and callable(getattr(handler, "load_memory_state",
                                                                                       None))):
@@ -79,8 +80,7 @@ def tier(ctx: RunContext) -> MemoryTier | None:
                                   f"({type(handler).__name__}) has no memory_state/load_memory_state: set "
                                   f"checkpoint.memory.every_steps=0", phase="train", rank=ctx.rank)
         ctx.comms.memory = MemoryTier.of(ctx)
-    tier_: MemoryTier = ctx.comms.memory
-    return tier_
+    return ctx.comms.memory
 
 
 def choose(owns: list[set[int]], helds: list[set[int]], per_node: int | None, tracked: int) -> int | None:
@@ -147,7 +147,7 @@ class MemoryTier:
                                         timeout=datetime.timedelta(seconds=ctx.deadline("checkpoint")))
         return self.group
 
-    def _wait(self, works: list[Any], what: str, ranks: list[int], deadline: float) -> None:
+    def _wait(self, works: Sequence[Work], what: str, ranks: list[int], deadline: float) -> None:
         from lifecycle.distributed.collectives import wait_works
 
         wait_works(works, what, "memory", ranks, deadline, time.monotonic())
@@ -173,7 +173,7 @@ class MemoryTier:
                                        name=f"lifecycle-memory-{step}", daemon=True)
         self.thread.start()
 
-    def _write(self, step: int, state: Any, group: ProcessGroup | None, deadline: float) -> None:
+    def _write(self, step: int, state: object, group: ProcessGroup | None, deadline: float) -> None:
         """The background thread: this rank's copy, the exchange with the buddies, then — once every rank says its
         copy and the one it holds are written — the older copies go. Until then they stay: a failure at any moment
         leaves the last step every rank completed."""
@@ -285,7 +285,7 @@ class MemoryTier:
         """The steps of ``folder``'s copies of ``owner`` that can be used, newest first (checked: record, size,
         sha256); the others are removed."""
         assert self.bound is not None
-        ok = []
+        ok: list[int] = []
         for step in files.steps(folder):
             why = files.usable(folder, step, owner, self.bound)
             if why is None:
@@ -355,7 +355,7 @@ class MemoryTier:
         mine = files.read(files.own_dir(self.base, self.rank), step) if step in owns[self.rank] else None
         if group is None or self.buddy is None or self.ward is None:
             return mine
-        works: list[Any] = []
+        works: list[Work] = []
         keep: list[torch.Tensor] = []  # alive until the sends complete
         if step not in owns[self.ward]:  # my ward lost its copy: send it the one I hold
             data = files.read(files.held_dir(self.base, self.ward), step)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from lifecycle.errors import BadState
 
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def first_nonfinite(state: Any, prefix: str = "") -> tuple[str, int] | None:
+def first_nonfinite(state: object, prefix: str = "") -> tuple[str, int] | None:
     """The first floating tensor in ``state`` (nested dicts, lists, tuples) holding a NaN or inf, and how many."""
     for name, tensor in _tensors(state, prefix):
         bad = _count(tensor)
@@ -39,7 +39,7 @@ def _count(tensor: torch.Tensor) -> int:
     return int((~torch.isfinite(tensor.detach())).sum())
 
 
-def _tensors(state: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
+def _tensors(state: object, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
     import torch
 
     if isinstance(state, torch.Tensor):

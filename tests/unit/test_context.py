@@ -19,14 +19,16 @@ from tests.helpers import ROOT
 PKG = ROOT / "lifecycle"
 
 OWNERS: dict[str, set[str]] = {
-    # the training thread: the phases, the resume and commit, a trainer's Job, the session's signal handler (Python
+    # the training thread: the phases, the resume (both tiers) and commit, a trainer's Job, the session's signal handler (Python
     # runs signal handlers on the main thread) and its building of the next in-process attempt
     "progress": {"lifecycle.phases.init", "lifecycle.phases.warmup", "lifecycle.phases.train",
-                 "lifecycle.phases.checkpoint", "lifecycle.phases.resume", "lifecycle.machine.job",
+                 "lifecycle.phases.checkpoint", "lifecycle.phases.resume", "lifecycle.phases.memory",
+                 "lifecycle.machine.job",
                  "lifecycle.machine.session", "lifecycle.machine.orchestrator"},
-    # the communicators: made by init and warmup, the checkpoint coordination's own group, released by teardown
+    # the communicators: made by init and warmup, the checkpoint coordination's and the memory tier's own groups,
+    # released by teardown
     "comms": {"lifecycle.phases.init", "lifecycle.phases.warmup", "lifecycle.phases.checkpoint",
-              "lifecycle.phases.teardown"},
+              "lifecycle.phases.memory", "lifecycle.phases.teardown"},
     # the deadline book is made once, with the watchdog, before the first phase
     "deadlines": {"lifecycle.machine.session"},
     "ops": set(),

@@ -106,11 +106,9 @@ def test_the_step_restored_is_held_by_every_rank_and_the_newest_such_generated()
         helds = [{s for s in steps if rng.random() < 0.7} if pair else set() for _ in range(world)]
         tracked = rng.choice([-1, 0, 10, 20])
         got = choose(owns, helds, per_node if pair else None, tracked)
-
-        def held(rank: int, step: int) -> bool:
-            return step in owns[rank] or (pair and step in helds[buddy_of(rank, world, per_node)])
-
-        complete = [s for s in steps if all(held(r, s) for r in range(world)) and s >= max(tracked, 1)]
+        holders = [buddy_of(r, world, per_node) if pair else r for r in range(world)]
+        complete = [s for s in steps if s >= max(tracked, 1) and all(
+            s in owns[r] or (pair and s in helds[holders[r]]) for r in range(world))]
         assert got == max(complete, default=None), (owns, helds, tracked, got)
 
 

@@ -301,6 +301,23 @@ def check_comm_budget(policy: Policy, world_size: int, ranks_per_node: int) -> N
         + f"; shrink with {knobs}warmup.groups: used, or raise the budget", budget)
 
 
+ENV_EVENTS_FLUSH = "LIFECYCLE_EVENTS_FLUSH_EVERY"
+
+
+def events_flush_every(env: dict[str, str] | os._Environ[str] | None = None) -> int:
+    """How many events a rank buffers before it writes them (``LIFECYCLE_EVENTS_FLUSH_EVERY``; 256 by default):
+    1 makes every event reach the file as it happens, for a monitor that follows a run live (a write then can sit
+    inside a collective's span: keep the events on a local disk). Anything but a positive integer is a UsageError
+    naming the variable."""
+    text = (env if env is not None else os.environ).get(ENV_EVENTS_FLUSH, "").strip()
+    if not text:
+        return 256
+    if not text.isdigit() or not 0 < int(text) <= 1 << 20:
+        raise UsageError(f"{ENV_EVENTS_FLUSH}={text!r}: not a count of events between writes (1 .. {1 << 20}); "
+                         f"unset it or give a positive integer")
+    return int(text)
+
+
 MEMORY_COPY_FACTOR = 3
 """A rank's memory-tier copy against its weights' lower estimate: the weights and an Adam optimizer's two moments."""
 

@@ -217,10 +217,11 @@ def build_context(policy: Policy, run_dir: Path, rank: int, world: int, local_ra
                   parallel: ParallelState, *, own_loop: bool = False) -> RunContext:
     """This rank's context: its attempt, its event log (the ``attempt`` event first), the policy's drills."""
     from lifecycle.context import RunContext
+    from lifecycle.machine.preflight import events_flush_every
     from lifecycle.obs.events import EventLog
 
     attempt = _attempt(run_dir, rank)
-    events = EventLog(run_dir, rank, local_rank)
+    events = EventLog(run_dir, rank, local_rank, flush_every=events_flush_every())
     events.instant("attempt", attempt=attempt, world_size=world, pid=os.getpid(), process_start_s=process_age_s())
     return RunContext.of(policy, run_dir, rank, world, local_rank, events, _drills(policy, rank, events, attempt),
                          parallel, attempt=attempt, own_loop=own_loop, restarts_left=_restarts_left(policy))

@@ -24,19 +24,24 @@ log = logging.getLogger(__name__)
 
 def first_nonfinite(state: object, prefix: str = "") -> tuple[str, int] | None:
     """The first floating tensor in ``state`` (nested dicts, lists, tuples) holding a NaN or inf, and how many."""
-    for name, tensor in _tensors(state, prefix):
-        bad = _count(tensor)
+    return _first(list(_tensors(state, prefix)))
+
+
+def _first(named: list[tuple[str, torch.Tensor]]) -> tuple[str, int] | None:
+    """One fused check per dtype and device (a few ops, not one per tensor); the names only when it finds one."""
+    import torch
+
+    floats = [(n, t.detach()) for n, t in named if (t.is_floating_point() or t.is_complex()) and t.numel()]
+    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for _, t in floats:
+        groups.setdefault((t.dtype, t.device), []).append(t.reshape(-1))
+    if all(bool(torch.isfinite(torch.cat(ts)).all()) for ts in groups.values()):
+        return None
+    for name, t in floats:
+        bad = int((~torch.isfinite(t)).sum())
         if bad:
             return name, bad
     return None
-
-
-def _count(tensor: torch.Tensor) -> int:
-    import torch
-
-    if not (tensor.is_floating_point() or tensor.is_complex()) or tensor.numel() == 0:
-        return 0
-    return int((~torch.isfinite(tensor.detach())).sum())
 
 
 def _tensors(state: object, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -58,18 +63,14 @@ def live_nonfinite(handler: object) -> tuple[str, int] | None:
     state = getattr(handler, "state", None)
     modules = [getattr(handler, "model", None), *(getattr(handler, "chunks", None) or []),
                *(getattr(state, "chunks", None) or [])]
+    named: list[tuple[str, torch.Tensor]] = []
     for i, module in enumerate(m for m in modules if isinstance(m, torch.nn.Module)):
-        for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
-            bad = _count(tensor)
-            if bad:
-                return f"model{i}.{name}", bad
+        named += [(f"model{i}.{name}", t) for name, t in [*module.named_parameters(), *module.named_buffers()]]
     optimizer = getattr(handler, "optimizer", None) or getattr(state, "optimizer", None)
     for k, sub in enumerate(getattr(optimizer, "chained_optimizers", None) or [optimizer]):
         inner = getattr(sub, "optimizer", sub)
-        found = first_nonfinite(list(getattr(inner, "state", {}).values()), f"optimizer{k}.state")
-        if found:
-            return found
-    return None
+        named += list(_tensors(list(getattr(inner, "state", {}).values()), f"optimizer{k}.state"))
+    return _first(named)
 
 
 def refuse_nonfinite(ctx: RunContext, found: tuple[str, int] | None, step: int, tier: str) -> None:

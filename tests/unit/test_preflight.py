@@ -300,3 +300,13 @@ def test_a_full_disk_is_one_line_naming_the_folder(tmp_path: Path) -> None:
         assert list((full / "r").iterdir()) == []  # the probe is gone, nothing else was made
     finally:
         subprocess.run(["umount", "-l", str(full)], check=False, timeout=10)
+
+
+def test_the_events_flush_count_comes_from_the_environment_or_is_refused_naming_it() -> None:
+    from lifecycle.errors import UsageError
+    from lifecycle.machine.preflight import events_flush_every
+
+    assert events_flush_every({}) == 256 and events_flush_every({"LIFECYCLE_EVENTS_FLUSH_EVERY": "1"}) == 1
+    for bad in ("0", "-3", "x", "1.5", str(1 << 21)):
+        with pytest.raises(UsageError, match="LIFECYCLE_EVENTS_FLUSH_EVERY"):
+            events_flush_every({"LIFECYCLE_EVENTS_FLUSH_EVERY": bad})

@@ -362,3 +362,66 @@ def test_a_learned_deadline_is_restored_at_the_same_layout_and_recalibrated_at_a
     other.events.flush()
     [event] = [e for e in read_events(other.run_dir)[0] if e["name"] == "deadline"]
     assert event["source"] == "static" and "was for world size 4" in event["how"] and "recalibrating" in event["how"]
+
+
+def test_memory_copies_resume_the_next_attempt_and_a_run_that_starts_over_never_uses_them(make_ctx: MakeCtx,
+                                                                                           tmp_path: Path) -> None:
+    from lifecycle.checkpoint import memory as files
+    from lifecycle.phases.resume import resume_tiers
+
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    tier = {"every_steps": 2, "dir": str(shm)}
+    ctx = _init(make_ctx({"train": {"steps": 4}, "checkpoint": {"at_end": False, "memory": tier}}))
+    TrainPhase(checkpoint.save).run(ctx)
+    assert ctx.comms.memory is not None
+    ctx.comms.memory.finish(ctx)
+    weights = {k: v.clone() for k, v in ctx.step_handler.model.state_dict().items()}  # type: ignore[union-attr]
+    base = files.root(shm, tmp_path / "ckpt")
+    assert files.steps(files.own_dir(base, 0)) == [4]  # keep 1: step 2's copy went once step 4's was written
+    assert not list((tmp_path / "ckpt").glob("iter_*"))  # nothing committed: the copies are all there is
+
+    # The next attempt: a fresh model resumes from step 4's copy, weights and all.
+    fresh = TrainPhase(checkpoint.save)
+    ctx.progress.step, ctx.step_handler = 0, fresh._build(ctx)
+    ctx.step_handler.setup(ctx)
+    assert resume_tiers(ctx)
+    assert ctx.step == 4 and ctx.progress.resumed_from == 4 and ctx.progress.resumed_tier == "memory"
+    restored = ctx.step_handler.model.state_dict()  # type: ignore[attr-defined]
+    assert all(torch.equal(restored[k], v) for k, v in weights.items())
+
+    # resume: never starts over: a new lineage, and the old copies are never loaded.
+    over = _init(make_ctx({"train": {"steps": 4}, "checkpoint": {"resume": "never", "memory": tier}}))
+    over.step_handler = fresh._build(over)
+    over.step_handler.setup(over)
+    assert not resume_tiers(over) and over.step == 0
+    again = make_ctx({"train": {"steps": 4}, "checkpoint": {"memory": tier}})
+    again.step_handler = fresh._build(again)
+    again.step_handler.setup(again)
+    assert not resume_tiers(again) and again.step == 0  # bound to the old lineage: not used, and dropped
+    assert files.steps(files.own_dir(base, 0)) == []
+
+
+def test_watched_modules_round_trip_their_memory_copy() -> None:
+    from lifecycle.backends.watched import WatchedModules
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+
+    class Ctx:
+        step = 7
+
+    handler = WatchedModules([model], opt)
+    state = handler.memory_state(Ctx())  # type: ignore[arg-type]
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    moments = opt.state_dict()["state"][0]["exp_avg"].clone()
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    assert handler.load_memory_state(Ctx(), state) == 7  # type: ignore[arg-type]
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())
+    assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], moments)

@@ -295,7 +295,11 @@ def main() -> None:
     p.add_argument("--only", default="clean,a,b,c")
     p.add_argument("--kinds", default=",".join(KINDS), help="the failure kinds drawn (default: all four)")
     p.add_argument("--out", default=str(ROOT / "bench" / "goodput.json"))
+    p.add_argument("--mode", default="relaunch", choices=["relaunch", "in_process"],
+                   help="restart.mode of the lifecycle contenders")
     a = p.parse_args()
+    global MODE  # noqa: PLW0603 - one setting for every contender of this invocation
+    MODE = a.mode
     plan = schedule(a.seed, a.steps, a.every, tuple(a.kinds.split(",")))
     print("schedule: " + ", ".join(f"{f.kind}@{f.step}/r{f.rank}" for f in plan), flush=True)
     contenders = {"clean": ("lifecycle, memory tier, no failures", a.memory_every, [], True),

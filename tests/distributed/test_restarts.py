@@ -70,6 +70,7 @@ def test_attempts_that_never_commit_a_newer_checkpoint_stop_the_restarts_with_th
 
 
 @pytest.mark.timeout(150)
+@pytest.mark.megatron  # the memory tier's copies of megatron-core's model and optimizer: on both stacks
 def test_a_raise_restarts_in_place_in_the_same_processes_and_resumes_from_the_memory_copies(tmp_path: Path) -> None:
     # Real Megatron (MoE, ep 2): rank 2 raises at step 7 while rank 0 computes (a slow step):
     # rank 2's peers leave their collectives, rank 0 at its watchdog's word; all re-create their groups and resume

@@ -23,7 +23,6 @@ import shutil
 import time
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 

@@ -25,6 +25,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from lifecycle.checkpoint import ckptdir
 from lifecycle.errors import RunDirError
 from lifecycle.jsontypes import JsonDict
 from lifecycle.rundir import safeio
@@ -103,9 +104,9 @@ def steps(folder: Path) -> list[int]:
     return sorted(found, reverse=True)
 
 
-def usable(folder: Path, step: int, owner: int, bound: Bound) -> str | None:
-    """Why the copy of ``step`` in ``folder`` cannot be used for rank ``owner`` of this run, or None (record only:
-    its bytes are checked by :func:`read`)."""
+def usable(folder: Path, step: int, owner: int, bound: Bound, *, digest: bool = False) -> str | None:
+    """Why the copy of ``step`` in ``folder`` cannot be used for rank ``owner`` of this run, or None: its record,
+    and with ``digest`` its bytes' size and sha256 (streamed, not held; :func:`read` checks them again as it reads)."""
     try:
         record = safeio.read_json(folder / f"step_{step}.json", limit=_RECORD_LIMIT)
     except RunDirError as exc:
@@ -122,6 +123,13 @@ def usable(folder: Path, step: int, owner: int, bound: Bound) -> str | None:
     for key, value in bound.as_json().items():
         if record.get(key) != value:
             return f"it belongs to another {'run' if key == 'lineage' else key} ({key} {str(record.get(key))[:80]})"
+    if digest:
+        blob = folder / f"step_{step}.bin"
+        try:
+            if blob.stat().st_size != size or ckptdir.digest(blob) != record["sha256"]:
+                return f"{blob} does not match its record (its size or its sha256): the copy is damaged"
+        except (OSError, RunDirError) as exc:
+            return f"{blob}: {exc}"
     return None
 
 

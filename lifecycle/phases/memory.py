@@ -24,7 +24,7 @@ import os
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -126,7 +126,6 @@ class MemoryTier:
     broken: str | None = None
     """Why copies stopped for this round (a failed exchange or agreement leaves the group unusable; the copies
     already written stay for the next round)."""
-    saved: list[int] = field(default_factory=list)
 
     @classmethod
     def of(cls, ctx: RunContext) -> MemoryTier:
@@ -151,6 +150,18 @@ class MemoryTier:
         from lifecycle.distributed.collectives import wait_works
 
         wait_works(works, what, "memory", ranks, deadline, time.monotonic())
+
+    def _gather(self, row: torch.Tensor, what: str, deadline: float) -> list[torch.Tensor]:
+        """Every rank's ``row`` (an all-gather on the tier's group, bounded; this rank's alone without one)."""
+        import torch
+        import torch.distributed as dist
+
+        if self.group is None:
+            return [row]
+        rows = [torch.zeros_like(row) for _ in range(self.world)]
+        work = dist.all_gather(rows, row, group=self.group, async_op=True)
+        self._wait([work], f"all_gather({what})", list(range(self.world)), deadline)
+        return rows
 
     # ---- copies ------------------------------------------------------------------------------------------------
     def save(self, ctx: RunContext, step: int) -> None:
@@ -253,15 +264,12 @@ class MemoryTier:
         if done.error is not None:
             self.broken = done.error
             log.error("memory copy of step %d: %s; no more copies this round", done.step, done.error)
-        elif done.bytes:
-            self.saved.append(done.step)
 
     # ---- start: the lineage, the restore -----------------------------------------------------------------------
     def start(self, ctx: RunContext) -> int:
         """Agree on the lineage (global rank 0's), bind this run's copies to it, remove copies bound to anything
         else; the persistent tracker's step as every rank read it (the largest). Every rank calls it, first."""
         import torch
-        import torch.distributed as dist
 
         ck = ctx.policy.checkpoint
         lineage, tracked = 0, -1
@@ -270,13 +278,10 @@ class MemoryTier:
         tracker = ckptdir.read_tracker(Path(ck.dir))
         if tracker.name is not None and tracker.error is None:
             tracked = ckptdir.step_of(tracker.name) or 0
-        row = torch.tensor([lineage, tracked], dtype=torch.int64)
-        group = self._group(ctx)
-        if group is not None:
-            rows = [torch.zeros_like(row) for _ in range(self.world)]
-            work = dist.all_gather(rows, row, group=group, async_op=True)
-            self._wait([work], "all_gather(memory lineage)", list(range(self.world)), ctx.deadline("checkpoint"))
-            lineage, tracked = int(rows[0][0]), max(int(r[1]) for r in rows)
+        self._group(ctx)
+        rows = self._gather(torch.tensor([lineage, tracked], dtype=torch.int64), "memory lineage",
+                            ctx.deadline("checkpoint"))
+        lineage, tracked = int(rows[0][0]), max(int(r[1]) for r in rows)
         self.bound = files.Bound(self.world, binding.layout(ctx.policy, self.world, own_loop=ctx.own_loop),
                                  binding.options(ctx.policy, own_loop=ctx.own_loop), lineage)
         return tracked
@@ -287,12 +292,7 @@ class MemoryTier:
         assert self.bound is not None
         ok: list[int] = []
         for step in files.steps(folder):
-            why = files.usable(folder, step, owner, self.bound)
-            if why is None:
-                try:
-                    files.read(folder, step)
-                except (ValueError, OSError) as exc:
-                    why = str(exc)
+            why = files.usable(folder, step, owner, self.bound, digest=True)
             if why is None and len(ok) < SLOTS:
                 ok.append(step)
             else:
@@ -305,20 +305,15 @@ class MemoryTier:
         True when every rank loaded it; False when a load ran and failed on some rank (the state may be partly
         loaded: the persistent tier must load over it); None when no copy was used."""
         import torch
-        import torch.distributed as dist
 
         own = self._usable(files.own_dir(self.base, self.rank), self.rank)
         held = self._usable(files.held_dir(self.base, self.ward), self.ward) if self.ward is not None else []
         row = torch.full((2 * SLOTS,), -1, dtype=torch.int64)
         row[:len(own)] = torch.tensor(own, dtype=torch.int64)
         row[SLOTS:SLOTS + len(held)] = torch.tensor(held, dtype=torch.int64)
-        rows = [row]
         group = self._group(ctx)
         deadline = ctx.deadline("checkpoint")
-        if group is not None:
-            rows = [torch.zeros_like(row) for _ in range(self.world)]
-            work = dist.all_gather(rows, row, group=group, async_op=True)
-            self._wait([work], "all_gather(memory copies)", list(range(self.world)), deadline)
+        rows = self._gather(row, "memory copies", deadline)
         owns = [{int(s) for s in r[:SLOTS] if s >= 0} for r in rows]
         helds = [{int(s) for s in r[SLOTS:] if s >= 0} for r in rows]
         per_node = ranks_per_node(self.world)
@@ -331,7 +326,8 @@ class MemoryTier:
         with ctx.events.span("memory_restore", step=best, tracked=tracked, deadline="checkpoint") as extra:
             blob = self._transfer(best, owns, group, deadline)
             failed = self._load(ctx, blob, best)
-            agreed = self._agree(failed, best, group, deadline)
+            agreed = [r for r, t in enumerate(self._gather(torch.tensor([int(failed)]),
+                                                            f"memory restore of step {best}", deadline)) if int(t[0])]
             extra["moved"] = sorted(r for r in range(self.world) if best not in owns[r])
             extra["failed"] = agreed
         if agreed:
@@ -387,18 +383,6 @@ class MemoryTier:
                       type(exc).__name__, str(exc)[:300])
             return True
         return False
-
-    def _agree(self, failed: bool, step: int, group: ProcessGroup | None, deadline: float) -> list[int]:
-        import torch
-        import torch.distributed as dist
-
-        if group is None:
-            return [self.rank] if failed else []
-        mine = torch.tensor([1 if failed else 0], dtype=torch.int64)
-        out = [torch.zeros_like(mine) for _ in range(self.world)]
-        work = dist.all_gather(out, mine, group=group, async_op=True)
-        self._wait([work], f"all_gather(memory restore of step {step})", list(range(self.world)), deadline)
-        return [r for r, t in enumerate(out) if int(t[0])]
 
     # ---- the end -----------------------------------------------------------------------------------------------
     def close(self, ctx: RunContext, *, finished: bool, wait_s: float | None = None) -> None:

@@ -295,6 +295,7 @@ def main() -> None:
     p.add_argument("--only", default="clean,a,b,c")
     p.add_argument("--kinds", default=",".join(KINDS), help="the failure kinds drawn (default: all four)")
     p.add_argument("--out", default=str(ROOT / "bench" / "goodput.json"))
+    p.add_argument("--keep", default=None, help="keep the contenders' run directories under this folder")
     p.add_argument("--mode", default="relaunch", choices=["relaunch", "in_process"],
                    help="restart.mode of the lifecycle contenders")
     a = p.parse_args()
@@ -307,7 +308,8 @@ def main() -> None:
                   "b": ("lifecycle, persistent tier only", 0, plan, True),
                   "c": ("torchrun + dist_checkpointing (no lifecycle)", 0, plan, False)}
     results: dict[str, Result] = {}
-    with tempfile.TemporaryDirectory(prefix="bench-goodput-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="bench-goodput-") as scratch:
+        tmp = a.keep or scratch
         for key in a.only.split(","):
             label, memory, failures, lifecycle = contenders[key]
             print(f"({key}) {label} ...", flush=True)

@@ -122,17 +122,20 @@ def attempts(run_dir: Path) -> list[_Attempt]:
     return sorted(out, key=lambda a: a.start_us)
 
 
-def _failures(a: _Attempt) -> list[tuple[int, int]]:
-    """``(verdict, until)`` per failure of one attempt: the first failure or hang report, until the next in-place
-    restart begins (its ``attempt`` instant) or the attempt ends."""
-    out: list[tuple[int, int]] = []
+def _failures(a: _Attempt) -> list[tuple[int, int, int]]:
+    """``(verdict, idle_us, until)`` per failure of one attempt: the first failure or hang report (with the
+    reporting rank's no-progress time, 0 when unknown), until the next in-place restart begins (its ``attempt``
+    instant) or the attempt ends."""
+    out: list[tuple[int, int, int]] = []
     for e in a.events:
         if e["kind"] != "instant":
             continue
-        if e["name"] in _FAILURE and (not out or out[-1][1] != a.end_us):
-            out.append((e["t"], a.end_us))
-        elif e["name"] == "attempt" and e.get("in_process") and out and out[-1][1] == a.end_us:
-            out[-1] = (out[-1][0], e["t"])
+        if e["name"] in _FAILURE and (not out or out[-1][2] != a.end_us):
+            idle = e.get("idle_s")
+            idle_us = int(idle * 1e6) if isinstance(idle, int | float) and 0 <= idle < 86400 else 0
+            out.append((e["t"], idle_us, a.end_us))
+        elif e["name"] == "attempt" and e.get("in_process") and out and out[-1][2] == a.end_us:
+            out[-1] = (out[-1][0], out[-1][1], e["t"])
     return out
 
 
@@ -148,9 +151,11 @@ def _intervals(a: _Attempt) -> tuple[list[Interval], int]:
     out: list[Interval] = [(s.start_us, s.end_us, _LABEL[s.name], s) for s in a.spans if s.name in _LABEL]
     failures = _failures(a)
     ends = sorted(e["t"] for e in a.events if e["kind"] == "end" and not e["name"].startswith("phase:"))
-    for verdict, until in failures:
+    for verdict, idle_us, until in failures:
+        # an op the verdict aborted ends just before it: a hang report's own no-progress time says where it began
         before = [t for t in ends if t <= verdict]
-        out.append((before[-1] if before else a.start_us, verdict, "detection", None))
+        start = before[-1] if before else a.start_us
+        out.append((max(min(start, verdict - idle_us), a.start_us), verdict, "detection", None))
         out.append((verdict, until, "failed", None))
     return out, len(failures)
 

@@ -97,5 +97,5 @@ def deadline_text(policy: Policy, key: str) -> str:
         return f"{static:g}s"
     a = policy.watchdog.adaptive
     return (f"auto after {a.calibration_steps} {'steps' if key == 'step' else key + ' spans'}: "
-            f"{a.factor:g} x p{a.quantile * 100:g} over the last {a.window}, in [{a.floor_s:g}s, {static:g}s], "
+            f"{a.factor:g} x p{a.quantile * 100:g} over the last {a.window}, in [{a.floor_s if key == 'step' else a.span_floor_s:g}s, {static:g}s], "
             f"max over ranks; {static:g}s until then")

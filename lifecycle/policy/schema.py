@@ -213,8 +213,13 @@ class AdaptiveConfig(Section):
     """Which quantile of the window (0.99: p99)."""
     window: int = Field(200, ge=1, le=100_000)
     """Observations (steps, checkpoint spans) the quantile is taken over."""
-    floor_s: Seconds = 5.0
-    """An auto deadline is never shorter than this."""
+    floor_s: Seconds = 1.5
+    """An auto step deadline is never shorter than this: with the 1 s poll a stalled step is named within 3 s (a
+    frozen rank's peers wait 1.5 polls for its record), and a 1000-step soak of the default job raised no false
+    alarm (bench/RESULTS.md)."""
+    span_floor_s: Seconds = 5.0
+    """An auto checkpoint deadline or a trainer's auto eval deadline is never shorter than this (storage and
+    evaluation vary more than steps)."""
     calibration_steps: int = Field(20, ge=1, le=1_000_000)
     """Observations before the auto deadline replaces the static one (the first step after a resume is static too)."""
 

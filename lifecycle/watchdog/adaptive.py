@@ -1,7 +1,7 @@
 """Deadlines that follow what the job does: ``watchdog.deadlines.step: auto`` (and ``checkpoint: auto``).
 
 Until ``calibration_steps`` observations (and for the first step after a resume) the static deadline applies.
-Then each rank proposes ``clamp(factor × quantile(recent window), floor_s, ceiling)`` where the ceiling is the
+Then each rank proposes ``clamp(factor × quantile(recent window), floor, ceiling)`` where the ceiling is the
 static default, and every rank uses the **maximum** of the proposals, agreed at a step boundary inside the
 all-reduce the train loop already makes (the stop flag): no extra collective. What is measured is what the
 deadline bounds: the watchdog's deadline is the longest stretch without a begin/end event, so the samples are the
@@ -29,6 +29,8 @@ class AdaptiveSettings(Protocol):
     def window(self) -> int: ...
     @property
     def floor_s(self) -> float: ...
+    @property
+    def span_floor_s(self) -> float: ...
     @property
     def calibration_steps(self) -> int: ...
 
@@ -69,6 +71,11 @@ class AdaptiveDeadline:
         self._restored = ""
         self._lock = threading.Lock()
 
+    @property
+    def floor_s(self) -> float:
+        """The lower clamp: ``floor_s`` for steps, ``span_floor_s`` for checkpoint and eval spans."""
+        return self.cfg.floor_s if self.name == "step" else self.cfg.span_floor_s
+
     def observe(self, seconds: float) -> None:
         """One sample (seconds a step or a checkpoint span took). The first one after a resume is skipped."""
         if seconds < 0 or not math.isfinite(seconds):
@@ -89,7 +96,7 @@ class AdaptiveDeadline:
             if not self.calibrated():
                 return 0.0
             q = quantile(list(self._samples), self.cfg.quantile)
-        return min(max(self.cfg.factor * q, self.cfg.floor_s), self.static_s)
+        return min(max(self.cfg.factor * q, self.floor_s), self.static_s)
 
     def agree(self, agreed_s: float) -> None:
         """Every rank calls it with the same value: the maximum of the proposals (0: stay static)."""
@@ -97,11 +104,11 @@ class AdaptiveDeadline:
             if agreed_s <= 0 or self._skip_next:
                 self._agreed = None
                 return
-            self._agreed = min(max(agreed_s, self.cfg.floor_s), self.static_s)
+            self._agreed = min(max(agreed_s, self.floor_s), self.static_s)
             n = len(self._samples)
             q = quantile(list(self._samples), self.cfg.quantile) if n else 0.0
             self._agreed_text = (f"{self._agreed:.3g}s = max over ranks of clamp({self.cfg.factor:g} × "
-                                 f"p{self.cfg.quantile * 100:g}, {self.cfg.floor_s:g}s, {self.static_s:g}s); "
+                                 f"p{self.cfg.quantile * 100:g}, {self.floor_s:g}s, {self.static_s:g}s); "
                                  f"this rank: p{self.cfg.quantile * 100:g} {q:.3g}s over the last {n} "
                                  f"{ {'step': 'steps', 'checkpoint': 'checkpoint spans'}.get(self.name, self.name + ' spans')}")
 
@@ -131,7 +138,7 @@ class AdaptiveDeadline:
             self._samples.clear()
             self._samples.extend(values[-(self._samples.maxlen or len(values)):])
             self._seen = max(seen, len(self._samples))
-            self._agreed = None if agreed is None else min(max(float(agreed), self.cfg.floor_s), self.static_s)
+            self._agreed = None if agreed is None else min(max(float(agreed), self.floor_s), self.static_s)
             self._restored = source
             if self._agreed is not None:
                 self._agreed_text = f"{self._agreed:.3g}s, restored from {source}"

@@ -56,8 +56,11 @@ def publish(ctx: WatchedRun, d: diagnosis.Diagnosis, *, dump_stacks: bool) -> No
         if not written and path.exists():
             extra[0] = f"  full report: {path} (an earlier report of this attempt; this rank's view is above)"
     print(diagnosis.render(d, ctx.rank, extra=extra), file=sys.stderr, flush=True)
+    own = d.records.get(ctx.rank) or {}
+    idle = own.get("idle_s")  # how long this rank had made no progress: where the failure's detection began
     ctx.events.instant("hang_report", cause=d.cause, detail=d.detail[:500], origin=d.origin,
-                       culprits=d.culprits[:64], dead=sorted(d.dead)[:64], report=str(path))
+                       culprits=d.culprits[:64], dead=sorted(d.dead)[:64], report=str(path),
+                       **({"idle_s": round(float(idle), 3)} if isinstance(idle, int | float) else {}))
     ctx.events.flush()
     if dump_stacks:
         dump_stacks_of(ctx)

@@ -106,6 +106,31 @@ def test_a_relaunch_counts_the_recomputed_steps_as_lost_and_the_gap_as_relaunch(
     assert "2 attempts" in g.line() and "lost 2.0s (3 steps)" in g.line()
 
 
+def test_a_hang_counts_from_the_last_progress_even_when_the_aborted_op_ends_just_before_the_report(
+        tmp_path: Path) -> None:
+    """Rank 0 waits 1.5 s in a gradient all-reduce for a frozen peer; the report aborts the group, so the op (and the
+    step) end a few ms before the hang_report: the report's own no-progress time places the detection."""
+    w = Writer(2000 * S)
+    w.at("instant", "attempt", attempt=1, process_start_s=0.0)
+    w.span("phase:init", 0.5)
+    w.at("begin", "phase:train", 0.0)
+    for step in (1, 2):
+        w.span("step", 1.0, step=step)
+    w.at("begin", "step", 0.0, step=3)
+    w.at("begin", "grad_reduce", 0.2, step=3)
+    w.at("end", "grad_reduce", 1.5, step=3)  # aborted by the report
+    w.at("end", "step", 0.001, step=3)
+    w.at("instant", "hang_report", 0.002, cause="hang", idle_s=1.503)
+    w.at("begin", "phase:teardown", 0.0, failure=True)
+    w.at("end", "phase:teardown", 0.3, failure=True)
+    w.at("instant", "exit", 0.0, exit_code=3)
+    g = goodput.account(_run_dir(tmp_path, [w]))
+    _check_sums(g)
+    assert g.buckets["detection"] == pytest.approx(1.503, abs=1e-3), g.buckets
+    # steps 1-2 (never committed) and step 3 up to the stall: lost with the failed run
+    assert g.buckets["lost"] == pytest.approx(2.2, abs=1e-3), g.buckets
+
+
 def test_an_in_place_restart_in_one_events_file_and_a_run_that_ended_failed(tmp_path: Path) -> None:
     w = Writer(5000 * S)
     _attempt(w, 1, 1, 6, resume=False, commit_every=3, fail_at=5)

@@ -18,6 +18,7 @@ class Cfg:
     quantile: float = 0.99
     window: int = 50
     floor_s: float = 0.5
+    span_floor_s: float = 2.0
     calibration_steps: int = 20
 
 
@@ -45,6 +46,14 @@ def test_the_agreed_value_is_clamped_between_the_floor_and_the_static_ceiling() 
     assert d.effective() == 10.0
     d.agree(0.0)  # nobody calibrated yet
     assert d.effective() == 10.0
+    # checkpoint and eval spans have their own floor: storage varies more than a step
+    for name in ("checkpoint", "eval"):
+        span = AdaptiveDeadline(name, 60.0, Cfg(floor_s=0.5, span_floor_s=5.0, calibration_steps=1))
+        span.observe(0.01)
+        assert span.proposal() == 5.0
+        span.agree(0.2)
+        assert span.effective() == 5.0
+
 
 
 def test_the_first_step_after_a_resume_runs_static_and_is_not_a_sample() -> None:
@@ -114,7 +123,7 @@ def test_what_was_learned_survives_a_restart_clamped_to_this_policy() -> None:
 
     from lifecycle.watchdog.adaptive import AdaptiveDeadline
 
-    cfg = SimpleNamespace(factor=4.0, quantile=0.99, window=5, floor_s=5.0, calibration_steps=3)
+    cfg = SimpleNamespace(factor=4.0, quantile=0.99, window=5, floor_s=5.0, span_floor_s=5.0, calibration_steps=3)
     old = AdaptiveDeadline("step", 600.0, cfg)  # type: ignore[arg-type]
     for x in (1.0, 2.0, 3.0, 4.0, 5.0, 6.0):
         old.observe(x)

@@ -130,6 +130,8 @@ class Result:
 
 MODE = "relaunch"
 """restart.mode of the lifecycle contenders (--mode)."""
+EXTRA: list[str] = []
+"""More overrides for the lifecycle contenders (--set)."""
 
 
 def _lifecycle_cmd(run_dir: Path, steps: int, commit: int, memory: int, shm: Path, raises: list[Failure]) -> list[str]:
@@ -142,7 +144,7 @@ def _lifecycle_cmd(run_dir: Path, steps: int, commit: int, memory: int, shm: Pat
         cmd += [f"checkpoint.memory.every_steps={memory}", f"checkpoint.memory.dir={shm}"]
     if drills:
         cmd.append(f"+faults=[{drills}]")
-    return cmd
+    return cmd + EXTRA
 
 
 def _plain_cmd(folder: Path, steps: int, commit: int, raises: list[Failure]) -> list[str]:
@@ -296,11 +298,14 @@ def main() -> None:
     p.add_argument("--kinds", default=",".join(KINDS), help="the failure kinds drawn (default: all four)")
     p.add_argument("--out", default=str(ROOT / "bench" / "goodput.json"))
     p.add_argument("--keep", default=None, help="keep the contenders' run directories under this folder")
+    p.add_argument("--set", action="append", default=[], metavar="OVERRIDE",
+                   help="a policy override for the lifecycle contenders (repeatable)")
     p.add_argument("--mode", default="relaunch", choices=["relaunch", "in_process"],
                    help="restart.mode of the lifecycle contenders")
     a = p.parse_args()
     global MODE  # noqa: PLW0603 - one setting for every contender of this invocation
     MODE = a.mode
+    EXTRA[:] = a.set
     plan = schedule(a.seed, a.steps, a.every, tuple(a.kinds.split(",")))
     print("schedule: " + ", ".join(f"{f.kind}@{f.step}/r{f.rank}" for f in plan), flush=True)
     contenders = {"clean": ("lifecycle, memory tier, no failures", a.memory_every, [], True),

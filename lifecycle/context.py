@@ -158,6 +158,8 @@ class PendingSave:
     final: Path
     """Where the commit renames it."""
     reason: str
+    loss: float | None = None
+    """The loss of the saved step (recorded in the manifest: the first step after a restore is checked against it)."""
 
 
 @dataclass
@@ -176,6 +178,11 @@ class Progress:
     resumed_tier: str | None = None
     """Where ``resumed_from`` came from: ``persistent`` (a committed checkpoint) or ``memory`` (the memory tier's
     copies: not committed, so the resumed step still needs its persistent save)."""
+    last_loss: float | None = None
+    """The loss the last completed step reported (recorded with the state saved at it)."""
+    restored: tuple[str, str, float | None] | None = None
+    """What the first step after a restore is checked against (``checkpoint.check_restore``): the tier, the state's
+    key in it (a commit's folder name; lineage:step of the memory tier) and the loss recorded at save."""
     warmup_s: dict[str, float] = field(default_factory=dict)
     """Seconds spent warming each group label (for the exit event)."""
     started_attempt: bool = False

@@ -97,6 +97,11 @@ class SyntheticStep:
                 offset += n
         return {"loss": float(flat[-1]), "wait_s": wait_s}
 
+    def replicas(self, ctx: StepContext) -> list[tuple[str, list[tuple[str, torch.Tensor]]]]:
+        """The weights every rank of the dp group holds alike (its gradients are all-reduced there). Local."""
+        assert self.model is not None
+        return [("dp", list(self.model.named_parameters()))]
+
     def memory_state(self, ctx: StepContext) -> dict[str, Any]:
         """This rank's state (the model; the data comes from the step number) as CPU copies. Local."""
         assert self.model is not None

@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -99,7 +100,8 @@ def digests(folder: Path, names: list[str]) -> dict[str, str]:
 
 
 def write_manifest(folder: Path, sha256: dict[str, str] | None = None, *, step: int | None = None,
-                   layout: JsonDict | None = None, options: JsonDict | None = None) -> None:
+                   layout: JsonDict | None = None, options: JsonDict | None = None,
+                   loss: float | None = None) -> None:
     """Record every file of ``folder`` with its size and, for those in ``sha256``, its content digest (rank 0, at
     commit, after every rank's writes are durable; the ranks digest their shares, see :func:`share`), and what the
     files are bound to: the ``step`` they hold and the ``layout`` they were written with
@@ -108,7 +110,9 @@ def write_manifest(folder: Path, sha256: dict[str, str] | None = None, *, step: 
     files: dict[str, object] = {}
     for name, size in listing(folder).items():
         files[name] = {"bytes": size, "sha256": sha256[name]} if name in sha256 else size
-    bound = {"step": step, "layout": layout, "options": options} if step is not None else {}
+    bound: dict[str, object] = {"step": step, "layout": layout, "options": options} if step is not None else {}
+    if loss is not None and math.isfinite(loss):
+        bound["loss"] = loss  # the saved step's loss: the first step after a restore is checked against it
     _atomic_write(folder / MANIFEST, json.dumps({"format": 3 if bound else 2, **bound, "files": files}, indent=0))
 
 
@@ -119,6 +123,8 @@ class Binding:
     step: int | None
     layout: JsonDict | None
     options: JsonDict | None = None
+    loss: float | None = None
+    """The saved step's loss (None: not recorded)."""
 
 
 def read_binding(folder: Path) -> Binding:
@@ -130,9 +136,11 @@ def read_binding(folder: Path) -> Binding:
         return Binding(None, None)
     if not isinstance(data, dict):
         return Binding(None, None)
-    step, layout, opts = data.get("step"), data.get("layout"), data.get("options")
+    step, layout, opts, loss = data.get("step"), data.get("layout"), data.get("options"), data.get("loss")
     return Binding(step if isinstance(step, int) and not isinstance(step, bool) else None,
-                   layout if isinstance(layout, dict) else None, opts if isinstance(opts, dict) else None)
+                   layout if isinstance(layout, dict) else None, opts if isinstance(opts, dict) else None,
+                   float(loss) if isinstance(loss, int | float) and not isinstance(loss, bool)
+                   and math.isfinite(loss) else None)
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import secrets
@@ -83,15 +84,25 @@ class Bound:
         return {"world": self.world, "layout": self.layout, "options": self.options, "lineage": self.lineage}
 
 
-def write(folder: Path, step: int, owner: int, blob: bytes, bound: Bound) -> int:
-    """Write one copy (the blob, then its record) into ``folder``; the bytes written."""
+def write(folder: Path, step: int, owner: int, blob: bytes, bound: Bound, loss: float | None = None) -> int:
+    """Write one copy (the blob, then its record: with the step's ``loss`` when finite) into ``folder``; the bytes
+    written."""
     folder.mkdir(parents=True, exist_ok=True)
     name = f"step_{step}"
     safeio.write_bytes(folder / f"{name}.bin", blob)
     record = {"step": step, "owner": owner, "size": len(blob), "sha256": hashlib.sha256(blob).hexdigest(),
               **bound.as_json()}
+    if loss is not None and math.isfinite(loss):
+        record["loss"] = loss
     safeio.write_text(folder / f"{name}.json", json.dumps(record))
     return len(blob)
+
+
+def saved_loss(folder: Path, step: int) -> float | None:
+    """The loss the record of ``folder``'s copy of ``step`` holds (None: none recorded, or no usable record)."""
+    record = safeio.try_json(folder / f"step_{step}.json")
+    loss = record.get("loss") if isinstance(record, dict) else None
+    return float(loss) if isinstance(loss, int | float) and math.isfinite(loss) else None
 
 
 def steps(folder: Path) -> list[int]:

@@ -46,8 +46,9 @@ class Drills:
         self.pending = [f for f in self.pending if f not in self.slow]
         self._slow_started: set[int] = set()
         self.held: list[bytes] = []
-        self.poisoned = False
-        """A ``nan_weights`` drill fired: the train loop writes a NaN into the model before the step (then clears it)."""
+        self.poisoned: str | None = None
+        """A ``nan_weights`` or ``perturb_weights`` drill fired (its action): the train loop writes it into the model
+        before the step (then clears it)."""
         """What hold_memory drills hold, for the life of the process."""
         self.on_fire = on_fire
         armed = [f for f in [*self.pending, *self.slow] if in_attempt(f, attempt)]
@@ -110,8 +111,8 @@ class Drills:
         if f.action == "slow":
             time.sleep(f.seconds or 0.0)
             return False
-        if f.action == "nan_weights":
-            self.poisoned = True  # the train loop writes it into the model (it holds the step handler)
+        if f.action in ("nan_weights", "perturb_weights"):
+            self.poisoned = f.action  # the train loop writes it into the model (it holds the step handler)
             return False
         if f.action == "hold_memory":
             self.held.append(b"\x01" * int((f.mib or 0.0) * 2**20))  # written, so resident until the process ends

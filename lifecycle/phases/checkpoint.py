@@ -93,6 +93,10 @@ def save(ctx: RunContext, reason: str) -> None:
         from lifecycle.phases.state_check import live_nonfinite, refuse_nonfinite
 
         refuse_nonfinite(ctx, live_nonfinite(step_handler(ctx)), ctx.step, "persistent")
+    if ctx.policy.checkpoint.check_replicas:
+        from lifecycle.phases.state_check import check_replicas
+
+        check_replicas(ctx, step_handler(ctx), ctx.step, "persistent")
     run_points(ctx, "before_checkpoint", deadline)
     root = Path(ctx.policy.checkpoint.dir)
     final = root / ckptdir.iter_name(ctx.step)
@@ -115,7 +119,7 @@ def save(ctx: RunContext, reason: str) -> None:
             extra["host_copy"] = getattr(handle, "host_copy", None)
             extra["async_strategy"] = getattr(handle, "async_strategy", None)
         ctx.deadlines.observe("checkpoint", time.monotonic() - t0)
-        ctx.progress.pending_save = PendingSave(handle, ctx.step, tmp, final, reason)
+        ctx.progress.pending_save = PendingSave(handle, ctx.step, tmp, final, reason, loss=ctx.progress.last_loss)
         if not ctx.policy.checkpoint.async_:
             finish_pending(ctx)
 
@@ -234,7 +238,7 @@ def _commit(ctx: RunContext, pending: PendingSave, sha256: dict[str, str] | None
     root = pending.final.parent
     _learned(ctx, pending.tmp, sha256)
     ckptdir.write_manifest(pending.tmp, sha256, step=pending.step, layout=_layout(ctx),
-                           options=binding.options(ctx.policy, own_loop=ctx.own_loop))
+                           options=binding.options(ctx.policy, own_loop=ctx.own_loop), loss=pending.loss)
     ckptdir.fsync_dir(pending.tmp)
     tracked = ckptdir.read_tracker(root).name
     if pending.final.exists():

@@ -24,14 +24,14 @@ import os
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lifecycle.checkpoint import binding, ckptdir
+from lifecycle.checkpoint import binding, ckptdir, rejections
 from lifecycle.checkpoint import memory as files
 from lifecycle.errors import CheckpointError
-from lifecycle.phases.state_check import first_nonfinite, refuse_nonfinite
+from lifecycle.phases.state_check import check_replicas, first_nonfinite, refuse_nonfinite
 
 if TYPE_CHECKING:
     import torch
@@ -43,6 +43,8 @@ log = logging.getLogger(__name__)
 
 SLOTS = 4
 """Copies per rank and folder that take part in the agreement (``keep`` is at most 2)."""
+REJECTED = 8
+"""Rejected steps of the lineage rank 0 reads and sends (the newest: older ones are below any copy kept)."""
 
 
 def ranks_per_node(world: int) -> int:
@@ -120,6 +122,8 @@ class MemoryTier:
     buddy: int | None
     ward: int | None
     bound: files.Bound | None = None
+    rejected: set[int] = field(default_factory=set)
+    """Steps rejected after an earlier restore (:mod:`lifecycle.checkpoint.rejections`): never restored again."""
     group: ProcessGroup | None = None
     thread: threading.Thread | None = None
     done: Written | None = None
@@ -179,12 +183,15 @@ class MemoryTier:
             state = take(ctx)
             if ctx.policy.checkpoint.check_finite:
                 refuse_nonfinite(ctx, first_nonfinite(state), step, "memory")
+            if ctx.policy.checkpoint.check_replicas:
+                check_replicas(ctx, step_handler(ctx), step, "memory")
         deadline = ctx.deadline("checkpoint")
-        self.thread = threading.Thread(target=self._write, args=(step, state, group, deadline),
+        self.thread = threading.Thread(target=self._write, args=(step, state, group, deadline, ctx.progress.last_loss),
                                        name=f"lifecycle-memory-{step}", daemon=True)
         self.thread.start()
 
-    def _write(self, step: int, state: object, group: ProcessGroup | None, deadline: float) -> None:
+    def _write(self, step: int, state: object, group: ProcessGroup | None, deadline: float,
+               loss: float | None = None) -> None:
         """The background thread: this rank's copy, the exchange with the buddies, then — once every rank says its
         copy and the one it holds are written — the older copies go. Until then they stay: a failure at any moment
         leaves the last step every rank completed."""
@@ -198,7 +205,7 @@ class MemoryTier:
             buf = io.BytesIO()
             torch.save(state, buf)
             blob = buf.getvalue()
-            done.bytes = files.write(own, step, self.rank, blob, self.bound)
+            done.bytes = files.write(own, step, self.rank, blob, self.bound, loss)
             if group is not None and self.buddy is not None and self.ward is not None:
                 got = self._exchange(blob, group, deadline)
                 held = files.held_dir(self.base, self.ward)
@@ -272,16 +279,20 @@ class MemoryTier:
         import torch
 
         ck = ctx.policy.checkpoint
-        lineage, tracked = 0, -1
+        lineage, tracked, rejected = 0, -1, []
         if ctx.rank == 0:
             lineage = files.lineage(ck.dir, new=ck.resume == "never")
+            rejected = rejections.memory_steps(ck.dir, lineage)[:REJECTED]
         tracker = ckptdir.read_tracker(Path(ck.dir))
         if tracker.name is not None and tracker.error is None:
             tracked = ckptdir.step_of(tracker.name) or 0
         self._group(ctx)
-        rows = self._gather(torch.tensor([lineage, tracked], dtype=torch.int64), "memory lineage",
-                            ctx.deadline("checkpoint"))
+        row = torch.full((2 + REJECTED,), -1, dtype=torch.int64)
+        row[0], row[1] = lineage, tracked
+        row[2:2 + len(rejected)] = torch.tensor(rejected, dtype=torch.int64)
+        rows = self._gather(row, "memory lineage", ctx.deadline("checkpoint"))
         lineage, tracked = int(rows[0][0]), max(int(r[1]) for r in rows)
+        self.rejected = {int(s) for s in rows[0][2:] if s >= 0}  # rank 0's reading of the rejected steps
         self.bound = files.Bound(self.world, binding.layout(ctx.policy, self.world, own_loop=ctx.own_loop),
                                  binding.options(ctx.policy, own_loop=ctx.own_loop), lineage)
         return tracked
@@ -308,6 +319,10 @@ class MemoryTier:
 
         own = self._usable(files.own_dir(self.base, self.rank), self.rank)
         held = self._usable(files.held_dir(self.base, self.ward), self.ward) if self.ward is not None else []
+        if self.rejected & set(own + held):
+            log.warning("memory copies of steps %s not used: rejected after an earlier restore (%s)",
+                        sorted(self.rejected & set(own + held)), Path(ctx.policy.checkpoint.dir) / rejections.NAME)
+            own, held = [s for s in own if s not in self.rejected], [s for s in held if s not in self.rejected]
         row = torch.full((2 * SLOTS,), -1, dtype=torch.int64)
         row[:len(own)] = torch.tensor(own, dtype=torch.int64)
         row[SLOTS:SLOTS + len(held)] = torch.tensor(held, dtype=torch.int64)
@@ -337,6 +352,9 @@ class MemoryTier:
         ctx.progress.step = best
         ctx.progress.resumed_from = best
         ctx.progress.resumed_tier = "memory"
+        assert self.bound is not None
+        ctx.progress.restored = ("memory", rejections.memory_key(self.bound.lineage, best),
+                                 files.saved_loss(files.own_dir(self.base, self.rank), best))
         if ctx.rank == 0:
             again = f"attempt {ctx.attempt}: " if ctx.attempt > 1 else ""
             last = f"step {tracked}" if tracked > 0 else "none"

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lifecycle.checkpoint import binding, ckptdir
-from lifecycle.errors import CheckpointError, Shutdown
+from lifecycle.checkpoint import binding, ckptdir, rejections
+from lifecycle.errors import CheckpointError, NoProgress, Shutdown
 from lifecycle.phases.checkpoint import step_handler
 
 if TYPE_CHECKING:
@@ -194,8 +194,13 @@ def resume(ctx: RunContext, *, touched: bool = False) -> None:
     rejected = dict(found.rejected)
     for name, reason in rejected.items():
         log.warning("checkpoint %s is unusable: %s", name, reason)
-    start = ctx.step
+    refused = rejections.read(root)["persistent"]
     for path in found.paths:
+        if path.name in refused:  # once: the commit before it is tried, whatever checkpoint.on_corrupt says
+            log.warning("checkpoint %s is not used: rejected after an earlier restore (%s); trying an older one",
+                        path, refused[path.name])
+    start = ctx.step
+    for path in (p for p in found.paths if p.name not in refused):
         moved = _layout_change(ctx, path)
         tried = _verify_then_load(ctx, path)
         touched = touched or tried.loaded
@@ -214,6 +219,12 @@ def resume(ctx: RunContext, *, touched: bool = False) -> None:
                                   f"checkpoint.on_corrupt=fallback", path=str(path), phase="train", rank=ctx.rank)
         log.warning("checkpoint %s is unusable (%s); trying an older one", path, why)
         rejected[str(path)] = why
+    if any(p.name in refused for p in found.paths):
+        # never silently from step 0 because the restored states failed their first step: someone must look
+        raise NoProgress(f"every checkpoint in {root} this run could resume from was rejected after a restore or "
+                         f"cannot be used ({', '.join(sorted(refused))} in {root / rejections.NAME}): not starting "
+                         f"over from step 0; find what made the first step after the restore fail (its logs), then "
+                         f"remove the entry from that file to try it again", phase="train", rank=ctx.rank)
     _start_fresh(ctx, root, tracker, rejected, touched)
 
 
@@ -268,6 +279,7 @@ def _start_fresh(ctx: RunContext, root: Path, tracker: ckptdir.Tracker, rejected
 def _loaded(ctx: RunContext, root: Path, path: Path, tracker: ckptdir.Tracker, rejected: dict[str, str]) -> None:
     ctx.progress.resumed_from = ctx.step
     ctx.progress.resumed_tier = "persistent"
+    ctx.progress.restored = ("persistent", path.name, ckptdir.read_binding(path).loss)
     if ctx.rank == 0:
         _set_aside(root, rejected, keep=path)
         if tracker.name != path.name or tracker.error is not None:

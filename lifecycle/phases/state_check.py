@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lifecycle.errors import BadState
@@ -83,3 +84,124 @@ def refuse_nonfinite(ctx: RunContext, found: tuple[str, int] | None, step: int, 
     raise BadState(f"rank {ctx.rank}: the state of step {step} holds {bad} non-finite value(s) in {name}: not "
                           f"saved to the {tier} tier; the next attempt resumes from the last good state",
                           phase=ctx.events.phase, rank=ctx.rank)
+
+
+# ---- data-parallel replicas ---------------------------------------------------------------------------------------
+_CHUNK = 1 << 22  # words per piece of a digest: bounds the int64 temporaries (32 MiB) whatever the tensor's size
+
+
+def digests(named: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
+    """``[n, 2]`` int64 on the tensors' device: per tensor, the wrapping sums of its 32-bit words (bytes when its
+    size is not a multiple of 4) and of their squares. Any single changed bit moves the first; bit-exact replicas
+    give equal rows. Local; one pass over each tensor, in pieces."""
+    import torch
+
+    rows = []
+    for _, t in named:
+        raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        words = raw.view(torch.int32) if raw.numel() % 4 == 0 else raw
+        s1 = torch.zeros((), dtype=torch.int64, device=raw.device)
+        s2 = torch.zeros((), dtype=torch.int64, device=raw.device)
+        for piece in words.split(_CHUNK):
+            x = piece.to(torch.int64)
+            s1 += x.sum()
+            s2 += (x * x).sum()
+        rows.append(torch.stack([s1, s2]))
+    return torch.stack(rows) if rows else torch.zeros((0, 2), dtype=torch.int64)
+
+
+def disagreement(rows: list[list[tuple[int, int]]], ranks: list[int]) -> tuple[int, list[int], list[int]] | None:
+    """``(tensor index, the ranks that differ, the others)`` for the first tensor whose digests differ across the
+    replicas ``ranks`` (``rows[i]``: rank ``ranks[i]``'s digests); the odd ones are those outside the largest group of
+    equal digests, or every rank when no group is larger than the others. None when all agree. Pure."""
+    for k in range(len(rows[0]) if rows else 0):
+        by: dict[tuple[int, int], list[int]] = {}
+        for i, row in enumerate(rows):
+            by.setdefault(row[k], []).append(ranks[i])
+        if len(by) == 1:
+            continue
+        sizes = sorted((len(v) for v in by.values()), reverse=True)
+        if sizes[0] == sizes[1]:
+            return k, sorted(ranks), []
+        major = max(by.values(), key=len)
+        return k, sorted(r for r in ranks if r not in major), sorted(major)
+    return None
+
+
+def check_replicas(ctx: RunContext, handler: object, step: int, tier: str) -> None:
+    """Every data-parallel replica group the handler names (``replicas(ctx)``: ``[(group name, named tensors)]``)
+    compares its digests (one all-gather per group, under the checkpoint deadline): ranks whose weights differ from the
+    majority (every rank when there is none) fail with :class:`~lifecycle.errors.BadState` naming the group, the
+    tensor and the ranks — the others go on and are taken down by that failure, so the state is never saved.
+    Collective on each named group (every rank of it calls this at the same boundary); nothing for a handler that
+    names none."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from lifecycle.distributed.collectives import wait_works
+    from lifecycle.distributed.groups import group_ranks
+
+    replicas = getattr(handler, "replicas", None)
+    if not callable(replicas):
+        return
+    for name, named in replicas(ctx):
+        found = group_ranks(ctx.parallel, name)
+        if found is None or len(found[1]) < 2 or not named:
+            continue
+        pg, ranks = found
+        mine = digests(named)
+        gathered = [torch.empty_like(mine) for _ in ranks]
+        with ctx.events.span("replica_check", group=name, step=step, tensors=len(named)):
+            work = dist.all_gather(gathered, mine, group=pg, async_op=True)
+            wait_works([work], "all_gather(replica digests)", name, ranks, ctx.deadline("checkpoint"),
+                       time.monotonic())
+        ctx.count_op(name)
+        rows = [[(int(a), int(b)) for a, b in g.cpu().tolist()] for g in gathered]
+        odd = disagreement(rows, ranks)
+        if odd is None:
+            continue
+        k, differ, agree = odd
+        tensor = named[k][0]
+        ctx.events.instant("state_check", step=step, tier=tier, check="replicas", group=name, tensor=tensor,
+                           ranks=differ[:64], agree=agree[:64])
+        who = (f"ranks {differ} differ from ranks {agree}" if agree
+               else f"ranks {differ} disagree (no majority)")
+        if ctx.rank in agree:  # the odd ranks fail (the culprits); the save cannot complete without them
+            log.warning("the data-parallel replicas on group %s disagree at step %d: %s in %s; they fail, so "
+                        "nothing of this step is saved", name, step, who, tensor)
+            continue
+        raise BadState(f"rank {ctx.rank}: the data-parallel replicas on group {name} disagree at step {step}: {who} "
+                       f"in {tensor}; not saved to the {tier} tier; the next attempt resumes from the last good "
+                       f"state", phase=ctx.events.phase, rank=ctx.rank)
+
+
+# ---- the first step after a restore -------------------------------------------------------------------------------
+def check_restored(ctx: RunContext, step: int, loss: float | None, restored: tuple[str, str, float | None]) -> None:
+    """The first step after a restore (``checkpoint.check_restore``): a non-finite ``loss``, or one above
+    ``restore_loss_factor`` x the loss recorded at save, rejects the restored state — recorded in the checkpoint
+    folder, so the next attempt falls back to the one before it — and fails this rank with
+    :class:`~lifecycle.errors.BadState`. Local (a rank without a loss checks nothing)."""
+    import math
+
+    from lifecycle.checkpoint import rejections
+
+    ck = ctx.policy.checkpoint
+    if not ck.check_restore or loss is None:
+        return
+    tier, key, saved = restored
+    factor = ck.restore_loss_factor
+    if not math.isfinite(loss):
+        why = f"loss {loss}"
+    elif factor is not None and saved is not None and saved > 0 and loss > factor * saved:
+        why = f"loss {loss:.6g}, more than {factor:g} x the {saved:.6g} recorded at save"
+    else:
+        return
+    what = f"the {tier} tier's {'copies of step ' + key.split(':')[-1] if tier == 'memory' else key}"
+    rejections.add(ck.dir, tier, key, f"step {step} after the restore: {why} (rank {ctx.rank}, attempt {ctx.attempt})")
+    ctx.events.instant("state_check", step=step, tier=tier, check="restore", restored=key, loss=str(loss),
+                       saved=saved)
+    raise BadState(f"rank {ctx.rank}: the first step after restoring {what} gave {why}: that state is rejected "
+                   f"({Path(ck.dir) / rejections.NAME}); the next attempt falls back to the one before it",
+                   phase=ctx.events.phase, rank=ctx.rank)

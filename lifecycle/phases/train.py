@@ -77,9 +77,9 @@ def leave_for_restart(ctx: RunContext) -> None:
                                rank=ctx.rank)
 
 
-def _poison(handler: object) -> None:
+def _poison(handler: object, action: str) -> None:
     """A ``nan_weights`` drill: a NaN in the first floating parameter of the step handler's model (the built-in kinds' and a
-    watched trainer's modules)."""
+    watched trainer's modules); ``perturb_weights``: that value moved by 1e-3 instead."""
     import torch
 
     state = getattr(handler, "state", None)
@@ -90,8 +90,11 @@ def _poison(handler: object) -> None:
             for param in module.parameters():
                 if param.is_floating_point():
                     with torch.no_grad():
-                        param.view(-1)[0] = float("nan")
-                    log.warning("FAULT DRILL: a NaN written into a parameter of shape %s", tuple(param.shape))
+                        if action == "perturb_weights":
+                            param.view(-1)[0] += 1e-3
+                        else:
+                            param.view(-1)[0] = float("nan")
+                    log.warning("FAULT DRILL: %s in a parameter of shape %s", action, tuple(param.shape))
                     return
 
 
@@ -147,8 +150,8 @@ class StepLoop:
             hook(step)
         ctx.drills.fire("train", step=step)
         if ctx.drills.poisoned:
-            ctx.drills.poisoned = False
-            _poison(ctx.step_handler)
+            action, ctx.drills.poisoned = ctx.drills.poisoned, None
+            _poison(ctx.step_handler, action)
         self._metrics = {}
         self.outside_step_s = 0.0
         t0 = time.monotonic()
@@ -164,6 +167,13 @@ class StepLoop:
         if ctx.compute is not None:
             ctx.compute.add(compute)
         ctx.progress.step = step
+        loss = self._metrics.get("loss")
+        ctx.progress.last_loss = float(loss) if isinstance(loss, int | float) else None
+        if ctx.progress.restored is not None:
+            from lifecycle.phases.state_check import check_restored
+
+            restored, ctx.progress.restored = ctx.progress.restored, None
+            check_restored(ctx, step, ctx.progress.last_loss, restored)
 
     @contextmanager
     def _first_step_trace(self, ctx: RunContext) -> Iterator[None]:

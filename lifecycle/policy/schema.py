@@ -125,6 +125,20 @@ class CheckpointConfig(Section):
     check_finite: Flag = True
     """Before every save (either tier) check that each rank's state is finite: a NaN or inf fails the run on that
     rank naming the tensor, and is never saved (the next attempt resumes from the last good state)."""
+    check_replicas: Flag = True
+    """Before every save (either tier) the data-parallel replicas of each weight compare digests (one all-gather of
+    two numbers per tensor per replica group; the kinds that name their replicas: megatron_gpt, synthetic): ranks
+    whose weights silently diverged fail the run naming the group, the tensor and the ranks, and the state is not
+    saved."""
+    check_restore: Flag = True
+    """The first step after a restore (either tier) is checked: a NaN or inf loss (or, with
+    ``restore_loss_factor``, a loss above that factor x the loss recorded at save) rejects the restored state
+    (recorded in <checkpoint.dir>/.restore-rejected.json) and fails the attempt; the next one falls back to the
+    commit or memory copy before it, once per state. With no older commit left the run stops with the no-progress
+    code instead of starting over from step 0."""
+    restore_loss_factor: float | None = Field(None, gt=1.0, le=1e6)
+    """With check_restore: the first loss after a restore may be at most this factor x the loss recorded at save
+    (null: only NaN/inf are refused; the loss of the next batch legitimately differs)."""
     memory: MemoryTierConfig = MemoryTierConfig()
     """The in-memory checkpoint tier (off by default)."""
 
@@ -262,7 +276,8 @@ class FaultDrill(Section):
     attempts: list[PositiveInt] | None = None
     """The attempts of the run it fires in (1: the first launch; each restart or re-run is the next); null: every
     attempt. [1] rehearses a fault the restart recovers from."""
-    action: Literal["stall", "crash", "raise", "signal", "skip", "zero_tokens", "slow", "hold_memory", "nan_weights"]
+    action: Literal["stall", "crash", "raise", "signal", "skip", "zero_tokens", "slow", "hold_memory", "nan_weights",
+                    "perturb_weights"]
     """stall: sleep forever; crash: os._exit; raise: an exception; signal: SIGTERM to itself; skip: skip a collective;
     zero_tokens: the routers send no token to these ranks' local experts, at every step from `step` on (or at `steps`);
     slow: `seconds` of extra compute in every train step from `step` on (a straggler); at checkpoint, `seconds`
@@ -270,7 +285,8 @@ class FaultDrill(Section):
     memory held from the matching warm op on, as if that group's communicator took more than estimated (the
     communicator budget's rehearsal on gloo; on CUDA warmup measures device memory, which this does not move); nan_weights:
     at train, a NaN written into one of this rank's parameters as the step begins (a corrupted state, for the state
-    checks of the checkpoint tiers)."""
+    checks of the checkpoint tiers); perturb_weights: at train, one value of one of this rank's parameters moved by
+    1e-3 as the step begins (finite: a data-parallel replica that silently diverged, for the replica check)."""
     seconds: Seconds | None = None
     """slow only: extra seconds per step (train), or once (checkpoint)."""
     mib: PositiveFloat | None = None
@@ -297,8 +313,8 @@ class FaultDrill(Section):
         if (self.action == "hold_memory") != (self.mib is not None) or (
                 self.action == "hold_memory" and self.at != "warmup"):
             raise ValueError("a hold_memory drill is at: warmup, with mib; mib applies to hold_memory drills only")
-        if self.action == "nan_weights" and self.at != "train":
-            raise ValueError("a nan_weights drill is at: train")
+        if self.action in ("nan_weights", "perturb_weights") and self.at != "train":
+            raise ValueError(f"a {self.action} drill is at: train")
         if self.group is not None:
             check_group_name(self.group)
         return self

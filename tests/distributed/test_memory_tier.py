@@ -1,6 +1,6 @@
 """The in-memory checkpoint tier on real gloo ranks (the synthetic kind, world 4): a relaunch resumes from the newest
 step every rank holds — a rank whose copy is lost or damaged gets its buddy's — the losses go on exactly as in an
-uninterrupted run, and a non-finite state is never saved to either tier. The megatron kind's copies restored in place:
+uninterrupted run, and a non-finite state or diverged replicas are never saved to either tier. The megatron kind's copies restored in place:
 tests/distributed/test_restarts.py. Three launches (about 10 s)."""
 
 from __future__ import annotations
@@ -70,15 +70,38 @@ def test_lost_damaged_and_non_finite_states_resume_from_the_newest_good_step_and
     assert goodput["steps"] == {"productive": 10, "lost": 2}, goodput  # steps 9 and 10, computed twice
     assert not base.exists()  # a finished run leaves no copies
 
-    # A NaN written into rank 1's weights at step 9: the persistent save of step 10 is refused, naming the tensor;
-    # the restart resumes from step 8's copies and reaches the losses of the uninterrupted steps.
-    poisoned = run("nan", "restart.max_restarts=1",
-                   "+faults=[{at: train, step: 9, ranks: [1], action: nan_weights, attempts: [1]}]")
+    # Attempt 1: rank 2's weights move by 1e-3 at step 5 (finite, a silently diverged replica): the copy of step 6
+    # is refused by the replica check, naming rank 2 and the tensor; attempt 2 resumes from step 4's copies. There a
+    # NaN written into rank 1's weights at step 9: the persistent save of step 10 is refused, naming the tensor;
+    # attempt 3 resumes from step 8's copies. There a NaN again at step 9 (its first step after the restore, as if the
+    # restored state were bad): the restore check rejects step 8's copies; attempt 4 skips them and, with nothing
+    # committed, trains from step 0 to the losses of the uninterrupted steps.
+    poisoned = run("nan", "restart.max_restarts=3", "restart.max_no_progress=4",
+                   "+faults=[{at: train, step: 5, ranks: [2], action: perturb_weights, attempts: [1]}, "
+                   "{at: train, step: 9, ranks: [1], action: nan_weights, attempts: [2, 3]}]")
     assert poisoned.code == 0, poisoned.output
+    assert "the data-parallel replicas on group dp disagree at step 6: ranks [2] differ from ranks [0, 1, 3] in " \
+           "0.weight" in poisoned.output, poisoned.output
+    assert "attempt 2: resumed from step 4 (memory copies" in poisoned.output
     assert "the state of step 10 holds" in poisoned.output and "not saved to the persistent tier" in poisoned.output
-    assert "attempt 2: resumed from step 8 (memory copies" in poisoned.output
-    archived = tmp_path / "nan" / "run" / "attempts" / "1" / "events"
-    checks = [json.loads(line) for f in sorted(archived.glob("rank_*.jsonl")) for line in f.read_text().splitlines()
-              if '"state_check"' in line]
-    assert checks and all(c["tier"] == "persistent" and c["step"] == 10 and c["nonfinite"] > 0 for c in checks)
-    assert _losses(poisoned) == expected
+    assert "attempt 3: resumed from step 8 (memory copies" in poisoned.output
+
+    def checks(attempt: int) -> list[dict[str, Any]]:
+        folder = tmp_path / "nan" / "run" / "attempts" / str(attempt) / "events"
+        return [json.loads(line) for f in sorted(folder.glob("rank_*.jsonl")) for line in f.read_text().splitlines()
+                if '"state_check"' in line]
+
+    diverged = checks(1)
+    assert len(diverged) == 4 and all(c["check"] == "replicas" and c["tier"] == "memory" and c["step"] == 6
+                                      and c["ranks"] == [2] and c["agree"] == [0, 1, 3] for c in diverged), diverged
+    nan = checks(2)
+    assert nan and all(c["tier"] == "persistent" and c["step"] == 10 and c["nonfinite"] > 0 for c in nan)
+    restores = checks(3)  # every rank: the losses are all-reduced, rank 1's NaN among them
+    assert len(restores) == 4 and all(c["check"] == "restore" and c["tier"] == "memory" and c["step"] == 9
+                                      for c in restores), restores
+    assert "the first step after restoring the memory tier's copies of step 8 gave loss nan" in poisoned.output
+    rejected = json.loads((tmp_path / "nan" / "run" / "checkpoints" / ".restore-rejected.json").read_text())
+    assert [k.split(":")[1] for k in rejected["memory"]] == ["8"] and rejected["persistent"] == {}, rejected
+    assert "memory copies of steps [8] not used: rejected after an earlier restore" in poisoned.log(0)
+    assert "attempt 4: resumed" not in poisoned.output
+    assert {k: v for k, v in _losses(poisoned).items() if k > 8} == expected  # from step 0, bit for bit

@@ -44,6 +44,19 @@ class TorchDistCheckpoints:
 
         return checkpoint.local_state(self.state, ctx.step)
 
+    def replicas(self, ctx: StepContext) -> list[tuple[str, list[tuple[str, Any]]]]:
+        """The weights the data-parallel replicas hold alike: the dense ones over dp_cp, the experts' over edp
+        (megatron marks them ``allreduce=False``). None while ``overlap_param_gather`` leaves each replica's
+        updated shard to the next forward's all-gather (they differ at a boundary by design). Local."""
+        if self.state.overlap_param_gather:
+            return []
+        dense: list[tuple[str, Any]] = []
+        experts: list[tuple[str, Any]] = []
+        for i, gpt in enumerate(self.state.gpts):
+            for name, param in gpt.named_parameters():
+                (dense if getattr(param, "allreduce", True) else experts).append((f"chunk{i}.{name}", param))
+        return [("dp_cp", dense), ("edp", experts)]
+
     def load_memory_state(self, ctx: StepContext, state: dict[str, Any]) -> int:
         """Restore what :meth:`memory_state` took; the step. Local."""
         from lifecycle.backends.megatron import checkpoint

@@ -425,3 +425,45 @@ def test_watched_modules_round_trip_their_memory_copy() -> None:
     assert handler.load_memory_state(Ctx(), state) == 7  # type: ignore[arg-type]
     assert all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())
     assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], moments)
+
+
+def test_a_state_whose_first_step_fails_is_rejected_once_then_the_commit_before_it_and_then_nothing(
+        make_ctx: MakeCtx, tmp_path: Path) -> None:
+    """checkpoint.check_restore: the first step after a restore gives NaN: that commit is recorded as rejected and
+    the next resume falls back to the one before; a loss above restore_loss_factor x the loss recorded at save
+    rejects that one too, and with nothing older the run stops with the no-progress code (never from step 0)."""
+    from lifecycle.checkpoint import rejections
+    from lifecycle.errors import BadState, NoProgress
+    from lifecycle.phases.state_check import check_restored
+
+    ctx = _init(make_ctx({}))
+    ctx.step_handler = TrainPhase(checkpoint.save)._build(ctx)
+    ctx.step_handler.setup(ctx)
+    root = Path(ctx.policy.checkpoint.dir)
+    for step, loss in ((2, 0.5), (4, 0.25)):
+        ctx.progress.step, ctx.progress.last_loss = step, loss
+        checkpoint.save(ctx, "periodic")
+    assert json.loads((root / "iter_0000004" / "manifest.json").read_text())["loss"] == 0.25
+    _fresh(ctx)
+    resume(ctx)
+    assert ctx.step == 4 and ctx.progress.restored == ("persistent", "iter_0000004", 0.25)
+    with pytest.raises(BadState, match="the first step after restoring the persistent tier's iter_0000004 gave "
+                                       "loss nan: that state is rejected"):
+        check_restored(ctx, 5, float("nan"), ctx.progress.restored)
+    assert list(rejections.read(root)["persistent"]) == ["iter_0000004"]
+    ctx.events.flush()
+    assert [e for e in read_events(ctx.run_dir)[0] if e["name"] == "state_check"][-1]["check"] == "restore"
+
+    _fresh(ctx)
+    resume(ctx)  # once: the commit before it
+    assert ctx.step == 2 and ctx.progress.restored == ("persistent", "iter_0000002", 0.5)
+    strict = make_ctx({"checkpoint": {"restore_loss_factor": 3.0}})
+    check_restored(strict, 3, 1.4, ctx.progress.restored)  # within 3 x 0.5: the next batch's loss may differ
+    check_restored(ctx, 3, 1e9, ctx.progress.restored)  # no factor: only NaN/inf are refused
+    with pytest.raises(BadState, match=r"loss 1.6, more than 3 x the 0.5 recorded at save"):
+        check_restored(strict, 3, 1.6, ctx.progress.restored)
+
+    _fresh(ctx)
+    with pytest.raises(NoProgress, match="rejected after a restore .*not starting over from step 0"):
+        resume(ctx)
+    assert ctx.step == 0

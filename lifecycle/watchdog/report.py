@@ -56,8 +56,7 @@ def publish(ctx: WatchedRun, d: diagnosis.Diagnosis, *, dump_stacks: bool) -> No
         if not written and path.exists():
             extra[0] = f"  full report: {path} (an earlier report of this attempt; this rank's view is above)"
     print(diagnosis.render(d, ctx.rank, extra=extra), file=sys.stderr, flush=True)
-    own = d.records.get(ctx.rank) or {}
-    idle = own.get("idle_s")  # how long this rank had made no progress: where the failure's detection began
+    idle = _stalled_s(d, ctx.rank)
     ctx.events.instant("hang_report", cause=d.cause, detail=d.detail[:500], origin=d.origin,
                        culprits=d.culprits[:64], dead=sorted(d.dead)[:64], report=str(path),
                        **({"idle_s": round(float(idle), 3)} if isinstance(idle, int | float) else {}))
@@ -98,6 +97,18 @@ def dump_stacks_of(ctx: WatchedRun) -> None:
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
     except (OSError, ValueError, AttributeError):  # stderr without a file descriptor
         pass
+
+
+def _stalled_s(d: diagnosis.Diagnosis, rank: int) -> float | None:
+    """How long before the report the failure's origin (else this rank) had made no progress — where detection began:
+    its record's idle time plus the record's age (a frozen rank's record stops)."""
+    for who in (d.origin, rank):
+        rec = d.records.get(who) if who is not None else None
+        if isinstance(rec, dict) and isinstance(rec.get("idle_s"), int | float):
+            t = rec.get("t")
+            age = max(d.now - float(t), 0.0) if isinstance(t, int | float) and d.now else 0.0
+            return float(rec["idle_s"]) + age
+    return None
 
 
 def publish_usage(ctx: WatchedRun, d: diagnosis.Diagnosis) -> None:

@@ -386,3 +386,16 @@ def test_compare_finds_silent_members() -> None:
     found = seqcheck.compare({0: {"ep": [2, 0, 2]}, 1: {}})
     assert found == [{"group": "ep", "first_rank": 0, "size": 2, "counts": {"0": 2}}]
     assert "1 member(s) issued none" in seqcheck.describe(found, "train")
+
+
+def test_a_reports_stall_time_is_the_origins_no_progress_plus_its_records_age() -> None:
+    """Where goodput's detection begins: the origin's idle time at its record plus how old that record is (a
+    frozen rank publishes nothing more); this rank's own when the origin's record is missing."""
+    from lifecycle.watchdog.report import _stalled_s
+
+    records = {0: {"idle_s": 0.002, "t": 100.0}, 3: {"idle_s": 1.2, "t": 99.5}}
+    d = diagnosis.Diagnosis("hang", "rank 3 made no progress", 3, "train", records=records, now=100.0)
+    assert _stalled_s(d, 0) == pytest.approx(1.7)
+    lost = diagnosis.Diagnosis("hang", "x", 5, "train", records=records, now=100.0)
+    assert _stalled_s(lost, 0) == pytest.approx(0.002)
+    assert _stalled_s(diagnosis.Diagnosis("hang", "x", None, "train", records={}, now=1.0), 0) is None

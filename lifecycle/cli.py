@@ -14,6 +14,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
+from lifecycle import rundir
 from lifecycle.distributed.layout import MAX_WORLD_SIZE
 from lifecycle.errors import ExitCode, LifecycleError, PolicyError, exit_code
 from lifecycle.obs.logconfig import reader_may_leave, setup_logging
@@ -212,7 +213,7 @@ def _verdict(args: argparse.Namespace) -> int:
     from lifecycle.obs import summary
 
     run_dir = Path(args.run_dir)
-    if not (run_dir / "events").is_dir():
+    if not (run_dir / rundir.EVENTS_DIR).is_dir():
         raise RunDirError(f"{run_dir}: no events/ folder: not a lifecycle run directory", path=str(run_dir))
     from lifecycle.obs import exclusions
 
@@ -233,7 +234,7 @@ def _goodput(args: argparse.Namespace) -> int:
     from lifecycle.obs import goodput
 
     run_dir = Path(args.run_dir)
-    if not (run_dir / "events").is_dir():
+    if not (run_dir / rundir.EVENTS_DIR).is_dir():
         raise RunDirError(f"{run_dir}: no events/ folder: not a lifecycle run directory", path=str(run_dir))
     g = goodput.account(run_dir)
     if args.json:

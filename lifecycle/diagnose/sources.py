@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from lifecycle import rundir
 from lifecycle.diagnose import dumps, files, lines
 from lifecycle.diagnose import facts as F
 from lifecycle.diagnose.facts import Evidence, Fact
@@ -84,9 +85,9 @@ def _report_order(fact: Fact) -> tuple[int, int, str]:
     """The current attempt's full report first: the run directory's own ``hang_report.json`` (its current attempt),
     then ``attempts/<N>/`` from the newest; a rank's local report (``hang_report.<R>.json``) after a full one."""
     path = Path(fact.where)
-    attempt = path.parent.name if path.parent.parent.name == "attempts" else ""
+    attempt = path.parent.name if path.parent.parent.name == rundir.ATTEMPTS_DIR else ""
     newest = -int(attempt) if attempt.isdigit() else -(1 << 30)
-    return int(path.name != "hang_report.json"), newest, fact.where
+    return int(path.name != rundir.HANG_REPORT), newest, fact.where
 
 
 def keep_current_report(ev: Evidence) -> None:

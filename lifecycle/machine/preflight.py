@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from lifecycle import rundir
 from lifecycle.errors import CheckpointError, PolicyError, PolicyIssue, RunDirError, UsageError
 
 if TYPE_CHECKING:
@@ -21,7 +22,7 @@ _SYSTEM = (Path("/proc"), Path("/sys"), Path("/dev"))
 _SYSTEM_ROOTS = frozenset(Path(p) for p in ("/", "/bin", "/boot", "/etc", "/lib", "/lib64", "/opt", "/root", "/sbin",
                                             "/srv", "/tmp", "/usr", "/var", "/home", "/mnt", "/media", "/run"))
 """Folders a run may live under but never be: a run moves and replaces files in its own folder."""
-_MANAGED = ("events", "logs", "attempts")
+_MANAGED = (rundir.EVENTS_DIR, rundir.LOGS_DIR, rundir.ATTEMPTS_DIR)
 """Sub-folders of a run directory that lifecycle moves or rewrites at every attempt."""
 
 
@@ -104,9 +105,8 @@ def place_problem(run_dir: str, checkpoint_dir: str) -> list[PolicyIssue]:
     return issues
 
 
-MARKER = ".lifecycle-run"
-"""Written into every run directory lifecycle makes: a non-empty folder without it is someone else's."""
-_OURS = (MARKER, "policy.resolved.yaml", "attempt", ".lock")
+MARKER = rundir.RUN_MARKER
+_OURS = (MARKER, rundir.RESOLVED, rundir.ATTEMPT, rundir.LOCK)
 
 
 def check_owner(run_dir: str, adopt_existing: bool, *, peers_starting: bool = False) -> None:
@@ -130,7 +130,7 @@ def check_owner(run_dir: str, adopt_existing: bool, *, peers_starting: bool = Fa
                              f"or set run.adopt_existing=true", run_dir)
 
 
-_PEER_FILES = {"events": re.compile(r"^rank_\d+\.jsonl$"), "logs": re.compile(r"^rank_\d+\.[a-z.]+$")}
+_PEER_FILES = {rundir.EVENTS_DIR: re.compile(r"^rank_\d+\.jsonl$"), rundir.LOGS_DIR: re.compile(r"^rank_\d+\.[a-z.]+$")}
 
 
 def _peer_made(path: Path) -> bool:
@@ -197,7 +197,7 @@ def check_run_files(run_dir: Path) -> None:
         if (folder.exists() or folder.is_symlink()) and not folder.is_dir():
             raise RunDirError(f"{folder}: {_what(folder)} where lifecycle keeps its {name}/ folder; remove or "
                               f"rename it and run again, or use another run.dir", path=str(folder))
-    for name in ("events", "logs"):
+    for name in (rundir.EVENTS_DIR, rundir.LOGS_DIR):
         for entry in _rank_entries(run_dir / name):
             safeio.check_writable(entry, replace=False, hint=hint)
 

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from lifecycle import rundir
 from lifecycle.errors import PolicyError, PolicyIssue, UsageError
 
 if TYPE_CHECKING:
@@ -46,7 +47,7 @@ def _last_save_s(run_dir: Path) -> float | None:
     """How long the run's last committed save took (save + commit, its summary.json), if the run has one."""
     from lifecycle.rundir import safeio
 
-    summary = safeio.try_json(run_dir / "summary.json")
+    summary = safeio.try_json(run_dir / rundir.SUMMARY)
     saves = summary.get("checkpoints") if isinstance(summary, dict) else None
     done = [c for c in saves if isinstance(c, dict) and c.get("committed")] if isinstance(saves, list) else []
     if not done:

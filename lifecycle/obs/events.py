@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from lifecycle import rundir
 from lifecycle.rundir import safeio
 
 _ENCODE = json.JSONEncoder(default=str).encode
@@ -35,7 +36,7 @@ class EventLog:
     """Buffered JSONL writer for one rank."""
 
     def __init__(self, run_dir: Path, rank: int, local_rank: int = 0, *, flush_every: int = 256) -> None:
-        self.path = Path(run_dir) / "events" / f"rank_{rank}.jsonl"
+        self.path = rundir.events_file(Path(run_dir), rank)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.rank, self.local_rank, self.host = rank, local_rank, socket.gethostname()
         self.phase = "init"
@@ -175,9 +176,9 @@ def iter_file(path: Path, problems: list[str] | None = None, bad: list[int] | No
 def rank_files(run_dir: Path, problems: list[str] | None = None) -> list[tuple[int, Path]]:
     """``(rank, path)`` of every ``events/rank_<R>.jsonl`` that is a regular file named by a rank, in rank order;
     the others noted in ``problems``."""
-    folder = Path(run_dir) / "events"
+    folder = Path(run_dir) / rundir.EVENTS_DIR
     try:
-        paths = sorted(folder.glob("rank_*.jsonl"))
+        paths = sorted(folder.glob(rundir.RANK_EVENTS))
     except OSError as exc:
         _note(problems, f"{folder}: cannot list ({exc.strerror or exc}); no events read")
         return []

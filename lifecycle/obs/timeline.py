@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lifecycle import rundir
 from lifecycle.errors import ExitCode, UsageError
 from lifecycle.obs.events import iter_file, rank_files, read_events
 from lifecycle.obs.spans import COMMON_KEYS, Span, is_valid, iter_spans, valid_events
@@ -162,7 +163,7 @@ def write_trace(trace: dict[str, Any], path: Path) -> Path:
 
 def _run_meta(run_dir: Path) -> dict[str, Any]:
     """The launcher's verdict from summary.json, when the run wrote one."""
-    s = safeio.try_json(run_dir / "summary.json", limit=1 << 24)
+    s = safeio.try_json(run_dir / rundir.SUMMARY, limit=1 << 24)
     keep = ("outcome", "exit_code", "first_failure", "failed_phase", "wall_s")
     return {k: s[k] for k in keep if k in s} if isinstance(s, dict) else {}
 
@@ -293,8 +294,8 @@ def main(run_dir: str | Path, out: str | Path | None = None, png: str | Path | N
     run_dir = Path(run_dir)
     problems: list[str] = []
     heads = scan(run_dir, problems)
-    trace_path = output_path(Path(out) if out else run_dir / "trace.json", "--out", run_dir)
-    png_path = None if no_png else output_path(Path(png) if png else run_dir / "timeline.png", "--png", run_dir)
+    trace_path = output_path(Path(out) if out else run_dir / rundir.TRACE, "--out", run_dir)
+    png_path = None if no_png else output_path(Path(png) if png else run_dir / rundir.TIMELINE_PNG, "--png", run_dir)
     _report(problems)
     meta = {"run_dir": str(run_dir.resolve()), **_run_meta(run_dir)}
     written: list[tuple[int, dict[int, list[dict[str, Any]]]]] = []
@@ -318,9 +319,7 @@ def main(run_dir: str | Path, out: str | Path | None = None, png: str | Path | N
     return ExitCode.OK
 
 
-_OWN = ("events", "logs", "attempts", "checkpoints", "summary.json", "policy.resolved.yaml", "policy.sha256",
-        "hang_report.json", "overrides.txt", "attempt", ".lock", ".shutdown", ".lifecycle-run")
-"""What a run directory holds that the timeline must never overwrite (its own trace.json/timeline.png it may)."""
+_OWN = rundir.OWN
 
 
 def _managed(path: Path, run_dir: Path | None) -> str | None:
@@ -407,7 +406,7 @@ def end_of_job(run_dir: Path, what: str = "png") -> None:
         return
 
     try:
-        size = sum(p.stat().st_size for p in (run_dir / "events").glob("rank_*.jsonl") if p.is_file())
+        size = sum(p.stat().st_size for p in (run_dir / rundir.EVENTS_DIR).glob(rundir.RANK_EVENTS) if p.is_file())
     except OSError:
         size = 0
     if size > END_OF_JOB_TIMELINE_BYTES:

@@ -45,6 +45,12 @@ TIMELINE_PNG = "timeline.png"
 OVERRIDES = "overrides.txt"
 ATTEMPT = "attempt"
 ATTEMPTS_DIR = "attempts"
+CHECKPOINTS_DIR = "checkpoints"
+"""checkpoint.dir's default, inside the run directory (conf/config.yaml: ``${run.dir}/checkpoints``)."""
+RANK_EVENTS = "rank_*.jsonl"
+"""The glob of the per-rank events files in ``events/``."""
+RUN_MARKER = ".lifecycle-run"
+"""Written into every run directory lifecycle makes: a non-empty folder without it is someone else's."""
 ENV_RUN_DIR = "LIFECYCLE_RUN_DIR"
 ENV_ATTEMPT = "LIFECYCLE_ATTEMPT"
 MAX_ATTEMPT = 1_000_000
@@ -280,3 +286,8 @@ def earlier_attempts(run_dir: Path) -> list[JsonDict]:
 
 # ---- one launcher per run directory: lifecycle.rundir.runlock ------------------------------------------
 LOCK = ".lock"
+
+OWN = (EVENTS_DIR, LOGS_DIR, ATTEMPTS_DIR, CHECKPOINTS_DIR, SUMMARY, RESOLVED, SHA256, HANG_REPORT, OVERRIDES, ATTEMPT,
+       LOCK, SHUTDOWN_MARKER, RUN_MARKER)
+"""What a run directory holds that a tool writing into it must never overwrite (the timeline may replace its own
+trace.json and timeline.png)."""

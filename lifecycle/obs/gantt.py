@@ -45,8 +45,15 @@ def _size(n_ranks: int) -> tuple[float, float]:
     return 10.0, min(max(1.4 + 0.32 * n_ranks, 2.6), 14.0)
 
 
-def plot(events: dict[int, list[dict[str, Any]]], path: Path, *, title: str = "", dpi: int = 100) -> Path:
-    """Draw the phases of every rank to ``path`` (PNG) and return it."""
+SHADES = {"lost": "#d73027", "detection": "#fc8d59", "restore": "#984ea3", "checkpoint": "#4575b4",
+          "relaunch": "#000000", "teardown": "#8c510a", "startup": "#969696"}
+"""The goodput buckets shaded behind the bars (productive time and other are left clear)."""
+
+
+def plot(events: dict[int, list[dict[str, Any]]], path: Path, *, title: str = "", dpi: int = 100,
+         shading: list[tuple[int, int, str]] | None = None) -> Path:
+    """Draw the phases of every rank to ``path`` (PNG) and return it; ``shading``: goodput's ``(start_us, end_us,
+    bucket)`` pieces, shaded over the time axis (:data:`SHADES`)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -77,6 +84,9 @@ def plot(events: dict[int, list[dict[str, Any]]], path: Path, *, title: str = ""
             if m is not None and not (m[2] == "exit" and len(events) > MANY_RANKS):
                 points.setdefault(m, []).append(((max(e["t"], t0) - t0) / 1e6, rank))
     handles = _draw(ax, bars, points)
+    if shading:
+        last = max(e["t"] for evs in events.values() for e in evs)
+        handles.update(_shade(ax, shading, t0, last))
     if ticks:
         xs, ys = zip(*ticks, strict=True)
         handles["train step"] = ax.scatter(xs, ys, marker="|", color="#1b7837", s=30, linewidths=0.6, zorder=2)
@@ -128,6 +138,23 @@ def _draw(ax: Any, bars: dict[tuple[str, bool], list[tuple[int, float, float]]],
     for (marker, color, label), xy in points.items():
         xs, ys = zip(*xy, strict=True)
         handles[label] = ax.scatter(xs, ys, marker=marker, color=color, s=60, zorder=3)
+    return handles
+
+
+def _shade(ax: Any, pieces: list[tuple[int, int, str]], t0: int, last: int) -> dict[str, Any]:
+    """The badput buckets as light vertical bands behind the bars (pieces narrower than 1/1500 of the axis left
+    out: they would not show); one legend entry per bucket drawn."""
+    from matplotlib.patches import Patch
+
+    handles: dict[str, Any] = {}
+    least = max(last - t0, 1) / 1500
+    for lo, hi, bucket in pieces:
+        color = SHADES.get(bucket)
+        lo, hi = max(lo, t0), min(hi, last)
+        if color is None or hi - lo < least:
+            continue
+        ax.axvspan((lo - t0) / 1e6, (hi - t0) / 1e6, color=color, alpha=0.13, linewidth=0, zorder=0)
+        handles.setdefault(f"goodput: {bucket}", Patch(facecolor=color, alpha=0.3))
     return handles
 
 

@@ -50,6 +50,8 @@ class Goodput:
     failures: int = 0
     steps_productive: int = 0
     steps_lost: int = 0
+    segments: list[tuple[int, int, str]] = field(default_factory=list, repr=False)
+    """``(start_us, end_us, bucket)`` in time order, adjacent ones of one bucket merged (the timeline's shading)."""
 
     @property
     def goodput(self) -> float | None:
@@ -161,9 +163,9 @@ def _intervals(a: _Attempt) -> tuple[list[Interval], int]:
 
 
 def _sweep(a: _Attempt, intervals: list[Interval], first_train: int | None,
-           step_time: dict[int, float]) -> dict[str, float]:
+           step_time: dict[int, float], segments: list[tuple[int, int, str | int]] | None = None) -> dict[str, float]:
     """Assign every µs of ``[a.start_us, a.end_us]`` to one bucket; the seconds of each step interval (by its index)
-    to step_time."""
+    to step_time; with ``segments``, each piece as ``(lo, hi, bucket or step interval index)``."""
     out = dict.fromkeys(BUCKETS, 0.0)
     inside = (x for s, e, _, _ in intervals for x in (s, e) if a.start_us <= x <= a.end_us)
     marks = sorted({a.start_us, a.end_us, *inside})
@@ -184,12 +186,17 @@ def _sweep(a: _Attempt, intervals: list[Interval], first_train: int | None,
             label = intervals[i][2]
             if label == "step":
                 step_time[i] = step_time.get(i, 0.0) + seconds
+                if segments is not None:
+                    segments.append((lo, hi, i))
                 continue
-            out["teardown" if label == "failed" else label] += seconds
+            bucket = "teardown" if label == "failed" else label
         elif first_train is None or lo < first_train:
-            out["startup"] += seconds
+            bucket = "startup"
         else:
-            out["other"] += seconds
+            bucket = "other"
+        out[bucket] += seconds
+        if segments is not None:
+            segments.append((lo, hi, bucket))
     return out
 
 
@@ -200,23 +207,29 @@ def account(run_dir: Path) -> Goodput:
     if not runs:
         return g
     g.wall_s = (runs[-1].end_us - runs[0].start_us) / 1e6
-    computations: list[tuple[int, float, bool]] = []  # (step, seconds, completed), in the order they ran
+    computations: list[tuple[int, float, bool, tuple[int, int]]] = []  # (step, seconds, completed, (attempt,
+    # interval)), in the order they ran
+    pieces: list[tuple[int, int, str | tuple[int, int]]] = []
     last_commit: int | None = None
     for n, a in enumerate(runs):
         if n:
             g.buckets["relaunch"] += max(a.start_us - runs[n - 1].end_us, 0) / 1e6
+            if a.start_us > runs[n - 1].end_us:
+                pieces.append((runs[n - 1].end_us, a.start_us, "relaunch"))
         intervals, failures = _intervals(a)
         g.failures += failures
         trains = [s.start_us for s in a.spans if s.name == "phase:train"]
         step_time: dict[int, float] = {}
-        for bucket, seconds in _sweep(a, intervals, min(trains) if trains else None, step_time).items():
+        segs: list[tuple[int, int, str | int]] = []
+        for bucket, seconds in _sweep(a, intervals, min(trains) if trains else None, step_time, segs).items():
             g.buckets[bucket] += seconds
+        pieces += [(lo, hi, (n, what) if isinstance(what, int) else what) for lo, hi, what in segs]
         for i, (_, _, label, span) in enumerate(intervals):  # spans in start order: the steps as they ran
             if label != "step" or span is None:
                 continue
             step = span.begin.get("step")
             if isinstance(step, int):
-                computations.append((step, step_time.get(i, 0.0), not span.cut))
+                computations.append((step, step_time.get(i, 0.0), not span.cut, (n, i)))
             else:
                 g.buckets["other"] += step_time.get(i, 0.0)
         for s in a.spans:
@@ -224,23 +237,35 @@ def account(run_dir: Path) -> Goodput:
                 step = s.begin.get("step")
                 if isinstance(step, int):
                     last_commit = step if last_commit is None else max(last_commit, step)
-    survivors: dict[int, float] = {}
-    for step, seconds, completed in computations:
+    survivors: dict[int, tuple[float, tuple[int, int]]] = {}
+    outcome: dict[tuple[int, int], str] = {}
+    for step, seconds, completed, key in computations:
         for later in [m for m in survivors if m >= step]:  # the same step again: these results were thrown away
-            g.buckets["lost"] += survivors.pop(later)
+            lost, was = survivors.pop(later)
+            g.buckets["lost"] += lost
             g.steps_lost += 1
+            outcome[was] = "lost"
         if completed:
-            survivors[step] = seconds
+            survivors[step] = (seconds, key)
         else:
             g.buckets["lost"] += seconds
             g.steps_lost += 1
+            outcome[key] = "lost"
     ended_failed = runs[-1].exit_code not in (0, None)
-    for step, seconds in survivors.items():
+    for step, (seconds, key) in survivors.items():
         if ended_failed and (last_commit is None or step > last_commit):
             g.buckets["lost"] += seconds
             g.steps_lost += 1
+            outcome[key] = "lost"
         else:
             g.buckets["productive"] += seconds
             g.steps_productive += 1
+            outcome[key] = "productive"
+    for lo, hi, what in pieces:
+        bucket = what if isinstance(what, str) else outcome.get(what, "other")
+        if g.segments and g.segments[-1][2] == bucket and g.segments[-1][1] == lo:
+            g.segments[-1] = (g.segments[-1][0], hi, bucket)
+        else:
+            g.segments.append((lo, hi, bucket))
     return g
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import logging
 import math
 import os
 import sys
@@ -314,12 +315,24 @@ def main(run_dir: str | Path, out: str | Path | None = None, png: str | Path | N
         print("png      skipped: matplotlib is not installed (pip install 'megatron-lifecycle[plot]'); the trace was "
               "written", file=sys.stderr)
         return ExitCode.OK
-    picture = _writing(png_path, "--png", lambda: gantt.plot(events, png_path, title=_title(run_dir, meta)))
+    picture = _writing(png_path, "--png", lambda: gantt.plot(events, png_path, title=_title(run_dir, meta),
+                                                              shading=_shading(run_dir)))
     print(f"png      {picture}")
     return ExitCode.OK
 
 
 _OWN = rundir.OWN
+
+
+def _shading(run_dir: Path) -> list[tuple[int, int, str]] | None:
+    """Goodput's pieces of the run for the picture (None when they cannot be had: the picture goes without)."""
+    from lifecycle.obs import goodput
+
+    try:
+        return goodput.account(run_dir).segments
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        logging.getLogger(__name__).debug("no goodput shading: %s", exc)
+        return None
 
 
 def _managed(path: Path, run_dir: Path | None) -> str | None:

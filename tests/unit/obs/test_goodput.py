@@ -190,3 +190,11 @@ def test_generated_runs_sum_to_the_wall_time_and_keep_exactly_the_final_steps(tm
     computed = sum(1 for w in writers for e in w.events if e["name"] == "step" and e["kind"] == "begin")
     assert g.steps_productive + g.steps_lost == computed, (seed, g.to_json())
     assert g.attempts == len(writers) and 0 <= (g.goodput or 0) <= 1
+    # the timeline's shading: in time order, back to back, and each bucket's pieces add up to its seconds
+    assert all(lo < hi for lo, hi, _ in g.segments) and all(
+        a[1] <= b[0] for a, b in zip(g.segments, g.segments[1:], strict=False))
+    shaded = dict.fromkeys(goodput.BUCKETS, 0.0)
+    for lo, hi, bucket in g.segments:
+        shaded[bucket] += (hi - lo) / 1e6
+    for bucket, seconds in g.buckets.items():
+        assert shaded[bucket] == pytest.approx(seconds, abs=1e-5), (seed, bucket, shaded, g.buckets)

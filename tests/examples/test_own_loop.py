@@ -58,8 +58,11 @@ def test_the_own_loop_warms_saves_commits_and_a_rerun_resumes(tmp_path: Path) ->
     """Also the shape of Megatron-LM's pretrain(): 3.5 s of set-up after attach and 3.5 s of evaluation between
     steps (job.phase) under a 3 s step deadline are no hang; the trainer destroys its own group after close."""
     run = tmp_path / "run"
+    shm = tmp_path / "shm"
+    shm.mkdir()
     proc = _run(tmp_path, ["--steps", "4", "--setup-s", "3.5", "--eval-every", "3", "--eval-s", "3.5"],
-                "checkpoint.every_steps=2", "watchdog.deadlines.step=3")
+                "checkpoint.every_steps=2", "watchdog.deadlines.step=3", "checkpoint.memory.every_steps=1",
+                f"checkpoint.memory.dir={shm}")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert _exits(run) == {0: 0, 1: 0, 2: 0, 3: 0}
     assert not (run / "hang_report.json").exists() and "HANG" not in proc.stderr
@@ -79,6 +82,14 @@ def test_the_own_loop_warms_saves_commits_and_a_rerun_resumes(tmp_path: Path) ->
     assert [c["step"] for c in summary["checkpoints"] if c["committed"]] == [2, 4]
     spans = {e["name"] for e in read_events(run)[0] if e["kind"] == "end"}
     assert {"grad_reduce", "step", "watch", "setup", "commit"} <= spans, spans  # DDP buckets traced as spans
+    # the memory tier in the trainer's loop: a copy at every step on every rank, exchanged with its buddy, each
+    # saved state checked (finite, replicas alike on dp_cp and edp), the copies removed when the run finished
+    copies = {r: sorted(e["step"] for e in evs if e["name"] == "memory_saved"
+                  and e.get("error") is None and e["held"] > 0) for r, evs in read_events(run).items()}
+    assert copies == {r: [1, 2, 3, 4] for r in range(4)}, copies
+    checked = {e["group"] for e in read_events(run)[3] if e["name"] == "replica_check" and e["kind"] == "end"}
+    assert checked == {"dp_cp", "edp"}, checked
+    assert list(shm.iterdir()) == []
     last_loss = summary["loss"]["last"]
 
     again = _run(tmp_path, ["--steps", "6"], "checkpoint.every_steps=2")

@@ -102,11 +102,13 @@ def launch_local(argv: list[str], nproc: int, run_dir: Path, *, env: dict[str, s
     run_dir = Path(run_dir).resolve()
     logs = _prepare(run_dir, nproc)
     start = time.monotonic()
+    launched_at = time.time()
     own = pool is None
     pool = PreloadPool() if pool is None else pool
     zygote = pool.take(argv, run_dir, preload, env)
     store = _host_store()
-    envs = {r: _rank_env(r, nproc, int(store.port), run_dir, env) for r in range(nproc)}
+    envs = {r: _rank_env(r, nproc, int(store.port), run_dir, env) | {rundir.ENV_LAUNCHED: f"{launched_at:.3f}"}
+            for r in range(nproc)}
     console = set(console_ranks)
     try:
         for _ in range(2):  # a kept preload process that died since the last launch is replaced once

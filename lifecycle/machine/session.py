@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -202,8 +203,20 @@ def _rss_bytes() -> int:
         return 0
 
 
+def start_up_s() -> float | None:
+    """Seconds since this rank's start-up began (where goodput's start-up begins): since the local launcher began
+    this launch when it says so (a rank forked from the preload process inherited imports made before it existed),
+    else since this process started (its imports included); None when neither is known."""
+    age = process_age_s()
+    try:
+        since = time.time() - float(os.environ.get(rundir.ENV_LAUNCHED, ""))
+    except ValueError:
+        return age
+    return round(since, 3) if 0 <= since < 3600 and (age is None or since > age) else age
+
+
 def process_age_s() -> float | None:
-    """Seconds since this process started (its imports included: where goodput's start-up begins), or None."""
+    """Seconds since this process started, or None."""
     try:
         with open("/proc/self/stat", "rb") as f:
             started = int(f.read().rsplit(b")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
@@ -222,7 +235,7 @@ def build_context(policy: Policy, run_dir: Path, rank: int, world: int, local_ra
 
     attempt = _attempt(run_dir, rank)
     events = EventLog(run_dir, rank, local_rank, flush_every=events_flush_every())
-    events.instant("attempt", attempt=attempt, world_size=world, pid=os.getpid(), process_start_s=process_age_s())
+    events.instant("attempt", attempt=attempt, world_size=world, pid=os.getpid(), process_start_s=start_up_s())
     return RunContext.of(policy, run_dir, rank, world, local_rank, events, _drills(policy, rank, events, attempt),
                          parallel, attempt=attempt, own_loop=own_loop, restarts_left=_restarts_left(policy))
 

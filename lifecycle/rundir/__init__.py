@@ -53,6 +53,9 @@ RUN_MARKER = ".lifecycle-run"
 """Written into every run directory lifecycle makes: a non-empty folder without it is someone else's."""
 ENV_RUN_DIR = "LIFECYCLE_RUN_DIR"
 ENV_ATTEMPT = "LIFECYCLE_ATTEMPT"
+ENV_LAUNCHED = "LIFECYCLE_LAUNCHED_AT"
+"""Wall-clock seconds when the local launcher began this launch: a rank forked from the preload process counts its
+start-up from there (the imports it inherited happened before it existed)."""
 MAX_ATTEMPT = 1_000_000
 """The largest attempt number a run directory may record (a run restarted every second for eleven days)."""
 # What belongs to one attempt (moved to attempts/<N>/ before the next one starts); checkpoints stay.

@@ -85,3 +85,19 @@ def test_the_worker_entry_point_refuses_a_missing_run_directory(tmp_path: Path) 
 
     os.environ.update(RANK="0", WORLD_SIZE="1")
     assert main([str(tmp_path / "nowhere")]) == 2
+
+
+def test_a_forked_ranks_start_up_counts_from_its_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank forked from the preload process inherited imports made before it existed: goodput's start-up begins
+    where the launcher began the launch; anything unusable there falls back to the process's own age."""
+    import time
+
+    from lifecycle import rundir
+    from lifecycle.machine.session import process_age_s, start_up_s
+
+    monkeypatch.setenv(rundir.ENV_LAUNCHED, f"{time.time() - 100:.3f}")
+    assert 99 < (start_up_s() or 0) < 110
+    for junk in ("", "soon", f"{time.time() + 50:.3f}", f"{time.time() - 7200:.3f}"):
+        monkeypatch.setenv(rundir.ENV_LAUNCHED, junk)
+        age = process_age_s()
+        assert start_up_s() == pytest.approx(age, abs=0.05), junk

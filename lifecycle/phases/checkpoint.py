@@ -54,7 +54,11 @@ def plan(policy: Policy, view: GroupView | None = None) -> list[Action]:
                Action("barrier:ckpt_digested", "world", dl, "via store; the digests reach rank 0",
                       when="world size > 1")]
               if ck.verify == "digest" else [])
+    replicas = ([Action("replica_check", None, dl, "per-tensor digests all-gathered over each data-parallel replica "
+                        "group the kind names (megatron: dp_cp, edp); the odd ranks fail",
+                        when="check_replicas, replica groups of 2+ ranks")] if ck.check_replicas else [])
     return [
+        *replicas,
         *barrier_actions(policy, "before_checkpoint", dl),
         Action("barrier:ckpt_prepare", "world", dl, "via store; rank 0 cleared the .tmp folder"),
         Action("save", "world", dl, f"deadline {deadline_text(policy, 'checkpoint')}; {'async' if ck.async_ else 'sync'}"

@@ -321,9 +321,6 @@ def main(run_dir: str | Path, out: str | Path | None = None, png: str | Path | N
     return ExitCode.OK
 
 
-_OWN = rundir.OWN
-
-
 def _shading(run_dir: Path) -> list[tuple[int, int, str]] | None:
     """Goodput's pieces of the run for the picture (None when they cannot be had: the picture goes without)."""
     from lifecycle.obs import goodput
@@ -343,7 +340,7 @@ def _managed(path: Path, run_dir: Path | None) -> str | None:
         rel = path.resolve().relative_to(run_dir.resolve())
     except (ValueError, OSError, RuntimeError):
         return None
-    return rel.parts[0] if rel.parts and rel.parts[0] in _OWN else None
+    return rel.parts[0] if rel.parts and rel.parts[0] in rundir.OWN else None
 
 
 _SYSTEM = (Path("/dev"), Path("/proc"), Path("/sys"))

@@ -92,10 +92,12 @@ def sequence_check(policy: Policy, boundary: str) -> list[Action]:
 def deadline_text(policy: Policy, key: str) -> str:
     """``600s``, or for an auto deadline ``auto after 20 steps: 4 x p99 over 200, in [5s, 600s]`` (``key``: a
     ``watchdog.deadlines`` key)."""
+    from lifecycle.watchdog.adaptive import floor_of
+
     static = policy.deadline(key)
     if not policy.is_auto(key):
         return f"{static:g}s"
     a = policy.watchdog.adaptive
     return (f"auto after {a.calibration_steps} {'steps' if key == 'step' else key + ' spans'}: "
-            f"{a.factor:g} x p{a.quantile * 100:g} over the last {a.window}, in [{a.floor_s if key == 'step' else a.span_floor_s:g}s, {static:g}s], "
+            f"{a.factor:g} x p{a.quantile * 100:g} over the last {a.window}, in [{floor_of(a, key):g}s, {static:g}s], "
             f"max over ranks; {static:g}s until then")

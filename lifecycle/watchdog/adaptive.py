@@ -35,6 +35,11 @@ class AdaptiveSettings(Protocol):
     def calibration_steps(self) -> int: ...
 
 
+def floor_of(cfg: AdaptiveSettings, name: str) -> float:
+    """The lower clamp of deadline ``name``: ``floor_s`` for steps, ``span_floor_s`` for checkpoint and eval spans."""
+    return cfg.floor_s if name == "step" else cfg.span_floor_s
+
+
 def quantile(values: list[float], q: float) -> float:
     """The ``q`` quantile (0..1) by linear interpolation between order statistics."""
     if not values:
@@ -73,8 +78,8 @@ class AdaptiveDeadline:
 
     @property
     def floor_s(self) -> float:
-        """The lower clamp: ``floor_s`` for steps, ``span_floor_s`` for checkpoint and eval spans."""
-        return self.cfg.floor_s if self.name == "step" else self.cfg.span_floor_s
+        """The lower clamp (:func:`floor_of`)."""
+        return floor_of(self.cfg, self.name)
 
     def observe(self, seconds: float) -> None:
         """One sample (seconds a step or a checkpoint span took). The first one after a resume is skipped."""

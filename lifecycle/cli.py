@@ -215,7 +215,7 @@ def _verdict(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     if not (run_dir / rundir.EVENTS_DIR).is_dir():
         raise RunDirError(f"{run_dir}: no events/ folder: not a lifecycle run directory", path=str(run_dir))
-    from lifecycle.obs import exclusions
+    from lifecycle.recovery import exclusions
 
     info = summary.build(run_dir)
     code, line = summary.verdict(info)

@@ -95,7 +95,7 @@ class Identity:
 
 
 class TierHandle(Protocol):
-    """What teardown needs of the memory tier (:class:`lifecycle.phases.memory.MemoryTier`)."""
+    """What teardown needs of the memory tier (:class:`lifecycle.recovery.memory.MemoryTier`)."""
 
     group: ProcessGroup | None
 
@@ -120,7 +120,7 @@ class Communicators:
     ckpt_group: ProcessGroup | None = None
     """The dedicated gloo group of ``checkpoint.coordination: gloo`` (created at the first save)."""
     memory: TierHandle | None = None
-    """The round's in-memory checkpoint tier (:class:`lifecycle.phases.memory.MemoryTier`: its gloo group and the
+    """The round's in-memory checkpoint tier (:class:`lifecycle.recovery.memory.MemoryTier`: its gloo group and the
     copy in flight), made at the start of training when ``checkpoint.memory.every_steps`` is set."""
     adopted_world: bool = False
     """The default process group was the trainer's (made before ``attach``): lifecycle never aborts or destroys it."""
@@ -376,6 +376,14 @@ class RunContext:
     def require_store(self) -> Store:
         """The store, or a clear error when init has not set it."""
         return self.comms.require_store(self.rank)
+
+    def require_step_handler(self) -> StepHandler:
+        """The train kind's step handler, or a clear error where there is none (checkpoints need steps)."""
+        if self.step_handler is None:
+            from lifecycle.errors import PhaseError
+
+            raise PhaseError("no step handler: checkpoints need train.steps > 0", phase="checkpoint", rank=self.rank)
+        return self.step_handler
 
     def agree_deadlines(self, agreed: list[float]) -> None:
         """Every rank calls it with the same values: the maximum of every rank's proposals; a ``deadline`` event

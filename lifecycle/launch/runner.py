@@ -24,8 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lifecycle.distributed.ranks import fmt_ranks
-from lifecycle.errors import ExitCode, RunDirError, UsageError
+from lifecycle.errors import RunDirError, UsageError
 from lifecycle.jsontypes import JsonDict
 from lifecycle.machine.rankdir import own_run_dir, preflight, prepare_rank_dir, release_run_dir
 
@@ -108,16 +107,16 @@ def _launch(policy: Policy, nproc: int, run_dir: Path, overrides: Sequence[str],
 
 
 def _memory_copies_after(policy: Policy, code: int | None) -> None:
-    """The run is over on this node: the memory tier's copies (node memory) go when it finished, was refused or
-    stopped for good (no progress); after a failure they stay for the run's next attempt (the same command again, a
-    scheduler's requeue on this node), said with the way to free them."""
+    """The run is over on this node: the memory tier's copies (node memory) stay for the run's next attempt after a
+    failure, said with the way to free them; otherwise they go (:func:`lifecycle.recovery.decisions.keep_copies`)."""
     m = policy.checkpoint.memory
     if not m.every_steps:
         return
-    from lifecycle.checkpoint import memory
+    from lifecycle.recovery import copies as memory
+    from lifecycle.recovery.decisions import keep_copies
 
     base = memory.root(m.dir, policy.checkpoint.dir)
-    if code in (0, ExitCode.USAGE, policy.teardown.exit_codes.no_progress) or not base.is_dir():
+    if not keep_copies(policy, code) or not base.is_dir():
         memory.remove(base)
         return
     print(f"memory   copies kept in {base} for the next attempt of this run (rm -rf {base} frees them)", flush=True)
@@ -125,7 +124,9 @@ def _memory_copies_after(policy: Policy, code: int | None) -> None:
 
 def _attempts(policy: Policy, nproc: int, run_dir: Path, overrides: Sequence[str], trap: SignalTrap,
               pool: PreloadPool) -> int:
-    left = policy.restart.max_restarts
+    from lifecycle.recovery import decisions
+
+    budget = decisions.Budget.of(policy)
     failed: int | None = None  # the exit code of the attempt that failed before this one
     while True:
         if trap.received and failed is not None:  # a stop between attempts: no next one; the failure stands
@@ -136,31 +137,23 @@ def _attempts(policy: Policy, nproc: int, run_dir: Path, overrides: Sequence[str
         if refused is not None:
             print(f"lifecycle: {refused}", file=sys.stderr, flush=True)
             return policy.teardown.exit_codes.no_progress
-        code, info, stopped, started = _attempt(policy, nproc, run_dir, overrides, left, pool)
-        left -= max(int(info.get("attempt") or started) - started, 0)  # the ranks' restarts in place
-        if code == 0 or left <= 0 or stopped or code in (ExitCode.USAGE, policy.teardown.exit_codes.no_progress):
+        code, info, stopped, started = _attempt(policy, nproc, run_dir, overrides, budget.left, pool)
+        budget.spend_in_place(started, int(info.get("attempt") or started))
+        if budget.spent or stopped or decisions.final(code, policy):
             return code
         if trap.received:
             sig = trap.received[0]
             print(f"lifecycle: {sig.name} after attempt {info.get('attempt') or started} failed (exit {code}): not "
                   f"restarting", file=sys.stderr, flush=True)
             return code
-        left -= 1
         failed = code
-        done = policy.restart.max_restarts - left
-        blame = info.get("blame") or {}
-        who = (f"ranks {fmt_ranks(blame['ranks'])} ({blame.get('cause')} in phase {blame.get('phase')})"
-               if blame.get("ranks") else str(info.get("outcome", f"exit {code}")))
-        source = ("the newest step its memory copies or the last commit hold" if policy.checkpoint.memory.every_steps
-                  else "the last committed checkpoint")
-        print(f"restart  attempt {info.get('attempt')} failed (exit {code}): {who}; restart {done} of "
-              f"{policy.restart.max_restarts}: the next attempt resumes from {source}", flush=True)
+        print(decisions.restart_line(policy, info, code, budget.spend_relaunch()), flush=True)
 
 
 def _refusal(policy: Policy, run_dir: Path) -> str | None:
     """The launcher's no-progress verdict before it starts the next attempt (rank 0 gives the same at init)."""
-    from lifecycle.checkpoint import progress
     from lifecycle.policy.load import sha256
+    from lifecycle.recovery import progress
 
     return progress.verdict(run_dir, policy, sha256(policy))[0]
 
@@ -223,7 +216,7 @@ def _preload(policy: Policy) -> tuple[str, ...] | None:
 
 def _exclude(run_dir: Path, info: JsonDict) -> None:
     """The hosts the attempt's verdict blames, into the run's exclusion list (a report must not fail the run)."""
-    from lifecycle.obs import exclusions
+    from lifecycle.recovery import exclusions
 
     try:
         exclusions.record(run_dir, info)

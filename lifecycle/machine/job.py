@@ -434,8 +434,8 @@ class Job:
 
                 record_collectives(ctx)
         if self._checkpoints:
-            from lifecycle.phases.resume import resume_tiers
             from lifecycle.phases.train import after_resume
+            from lifecycle.recovery.resume import resume_tiers
 
             if resume_tiers(ctx):
                 after_resume(ctx)

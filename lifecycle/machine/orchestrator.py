@@ -15,12 +15,12 @@ import time
 from lifecycle.context import RunContext
 from lifecycle.errors import ExitCode, LifecycleError, Shutdown, culprits, exit_code
 from lifecycle.machine.graph import MAIN_PATH, TERMINAL, check_transition
-from lifecycle.machine.inprocess import InProcessRestart
 from lifecycle.phases.base import PhaseHandler
 from lifecycle.phases.init import InitPhase
 from lifecycle.phases.teardown import TeardownPhase
 from lifecycle.phases.train import TrainPhase
 from lifecycle.phases.warmup import WarmupPhase
+from lifecycle.recovery.inprocess import InProcessRestart
 
 log = logging.getLogger(__name__)
 
@@ -106,8 +106,8 @@ class Orchestrator:
         """Leave the failed phase, destroy the process groups and agree with every rank on the store to restart in
         place; the restart, or the error the failure path continues with (a line says why not)."""
         from lifecycle.distributed.sockets import cut_connections, store_port
-        from lifecycle.machine import inprocess
         from lifecycle.phases.teardown import FAILURE_STEP_S, HardDeadline
+        from lifecycle.recovery import inprocess
         from lifecycle.watchdog.causes import classify
 
         ctx, phase = self.ctx, self.current

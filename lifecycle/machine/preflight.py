@@ -326,9 +326,9 @@ def check_memory_tier(policy: Policy, ranks_per_node: int) -> None:
     """``checkpoint.memory``: its folder exists and can be written, and the node's copies fit in what it has free —
     each local rank's state (at least its weights and two optimizer moments by the kind's lower estimate) times
     ``keep``, twice with ``replicate`` — or a PolicyError (exit 2) naming the numbers and the keys that shrink them."""
-    from lifecycle.checkpoint.memory import free_bytes
     from lifecycle.hostinfo import fmt_bytes
     from lifecycle.policy.modelsize import rank_bytes
+    from lifecycle.recovery.copies import free_bytes
 
     m = policy.checkpoint.memory
     if not m.every_steps or not policy.train.steps:

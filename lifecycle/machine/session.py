@@ -31,10 +31,10 @@ if TYPE_CHECKING:
     from lifecycle.context import RunContext
     from lifecycle.distributed.faults import Drills
     from lifecycle.distributed.parallel import ParallelState
-    from lifecycle.machine.inprocess import InProcessRestart
     from lifecycle.machine.orchestrator import Orchestrator
     from lifecycle.obs.events import EventLog
     from lifecycle.policy.schema import FaultDrill, Policy
+    from lifecycle.recovery.inprocess import InProcessRestart
 
 log = logging.getLogger(__name__)
 ENV_RESTARTS_LEFT = "LIFECYCLE_RESTARTS_LEFT"
@@ -297,7 +297,7 @@ def start_watchdog(ctx: RunContext) -> None:
     if cfg.sequence_check:
         ctx.phase_hooks.append(SequenceCheck())
     if cfg.enabled:
-        from lifecycle.machine.inprocess import refusal
+        from lifecycle.recovery.inprocess import refusal
 
         ctx.watchdog = Watchdog(ctx, refusal=refusal).start()
 

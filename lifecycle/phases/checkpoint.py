@@ -28,7 +28,6 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
     from lifecycle.context import RunContext
-    from lifecycle.handlers.protocols import StepHandler
     from lifecycle.jsontypes import JsonDict
     from lifecycle.policy.schema import Policy
 
@@ -77,12 +76,6 @@ def _all_ranks(ctx: RunContext) -> list[int]:
     return list(range(ctx.world_size))
 
 
-def step_handler(ctx: RunContext) -> StepHandler:
-    if ctx.step_handler is None:
-        raise PhaseError("no step handler: checkpoints need train.steps > 0", phase="checkpoint", rank=ctx.rank)
-    return ctx.step_handler
-
-
 def save(ctx: RunContext, reason: str) -> None:
     """Save at the current step (``reason`` ASYNC_COMMIT: only commit the pending async save). Every rank calls it
     at the same step boundary, in the checkpoint phase."""
@@ -94,13 +87,13 @@ def save(ctx: RunContext, reason: str) -> None:
         return
     deadline = ctx.deadline("checkpoint")
     if ctx.policy.checkpoint.check_finite:
-        from lifecycle.phases.state_check import live_nonfinite, refuse_nonfinite
+        from lifecycle.recovery.state_check import live_nonfinite, refuse_nonfinite
 
-        refuse_nonfinite(ctx, live_nonfinite(step_handler(ctx)), ctx.step, "persistent")
+        refuse_nonfinite(ctx, live_nonfinite(ctx.require_step_handler()), ctx.step, "persistent")
     if ctx.policy.checkpoint.check_replicas:
-        from lifecycle.phases.state_check import check_replicas
+        from lifecycle.recovery.state_check import check_replicas
 
-        check_replicas(ctx, step_handler(ctx), ctx.step, "persistent")
+        check_replicas(ctx, ctx.require_step_handler(), ctx.step, "persistent")
     run_points(ctx, "before_checkpoint", deadline)
     root = Path(ctx.policy.checkpoint.dir)
     final = root / ckptdir.iter_name(ctx.step)
@@ -119,7 +112,7 @@ def save(ctx: RunContext, reason: str) -> None:
     with progress.activity(ctx.rank, f"checkpoint step {ctx.step} ({reason})"):
         t0 = time.monotonic()
         with ctx.events.span("save", step=ctx.step, reason=reason, path=str(final)) as extra:
-            handle = step_handler(ctx).begin_save(ctx, tmp)
+            handle = ctx.require_step_handler().begin_save(ctx, tmp)
             extra["host_copy"] = getattr(handle, "host_copy", None)
             extra["async_strategy"] = getattr(handle, "async_strategy", None)
         ctx.deadlines.observe("checkpoint", time.monotonic() - t0)

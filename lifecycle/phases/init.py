@@ -179,9 +179,9 @@ class InitPhase:
         import torch
         import torch.distributed as dist
 
-        from lifecycle.checkpoint import progress
         from lifecycle.distributed.collectives import device_for, wait_works
         from lifecycle.policy.load import sha256
+        from lifecycle.recovery import progress
         from lifecycle.rundir import restarts
 
         digest = sha256(ctx.policy)

@@ -170,7 +170,7 @@ class StepLoop:
         loss = self._metrics.get("loss")
         ctx.progress.last_loss = float(loss) if isinstance(loss, int | float) else None
         if ctx.progress.restored is not None:
-            from lifecycle.phases.state_check import check_restored
+            from lifecycle.recovery.state_check import check_restored
 
             restored, ctx.progress.restored = ctx.progress.restored, None
             check_restored(ctx, step, ctx.progress.last_loss, restored)
@@ -261,7 +261,7 @@ class StepLoop:
             self._save(ctx, "periodic")
         mem = ck.memory.every_steps
         if mem and step % mem == 0 and ctx.step_handler is not None:
-            from lifecycle.phases.memory import tier
+            from lifecycle.recovery.memory import tier
 
             copies = tier(ctx)
             if copies is not None:
@@ -357,7 +357,7 @@ class TrainPhase:
         return handler
 
     def _resume(self, ctx: RunContext) -> None:
-        from lifecycle.phases.resume import resume_tiers
+        from lifecycle.recovery.resume import resume_tiers
 
         if resume_tiers(ctx):
             after_resume(ctx)

@@ -58,7 +58,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 Refusal = Callable[["WatchedRun", "str | None", str], "str | None"]
-"""Why a failure of a cause in a phase cannot be restarted in place (:func:`lifecycle.machine.inprocess.refusal`)."""
+"""Why a failure of a cause in a phase cannot be restarted in place (:func:`lifecycle.recovery.inprocess.refusal`)."""
 CONNECT_ATTEMPT_S = 1.0  # one attempt of the side channel's connect (retried until the init deadline)
 STRAGGLER_EVERY_S = 1.0  # rank 0 compares the compute medians at most this often
 FRESHEN_MAX = 64  # dead or silent ranks whose events file is read to freshen their record

@@ -22,13 +22,13 @@ OWNERS: dict[str, set[str]] = {
     # the training thread: the phases, the resume (both tiers) and commit, a trainer's Job, the session's signal handler (Python
     # runs signal handlers on the main thread) and its building of the next in-process attempt
     "progress": {"lifecycle.phases.init", "lifecycle.phases.warmup", "lifecycle.phases.train",
-                 "lifecycle.phases.checkpoint", "lifecycle.phases.resume", "lifecycle.phases.memory",
+                 "lifecycle.phases.checkpoint", "lifecycle.recovery.resume", "lifecycle.recovery.memory",
                  "lifecycle.machine.job",
                  "lifecycle.machine.session", "lifecycle.machine.orchestrator"},
     # the communicators: made by init and warmup, the checkpoint coordination's and the memory tier's own groups,
     # released by teardown
     "comms": {"lifecycle.phases.init", "lifecycle.phases.warmup", "lifecycle.phases.checkpoint",
-              "lifecycle.phases.memory", "lifecycle.phases.teardown"},
+              "lifecycle.recovery.memory", "lifecycle.phases.teardown"},
     # the deadline book is made once, with the watchdog, before the first phase
     "deadlines": {"lifecycle.machine.session"},
     "ops": set(),
@@ -105,7 +105,7 @@ def test_each_part_of_the_context_is_changed_by_its_owners_only() -> None:
     assert not stray, f"parts changed outside their owners (declare the owner in OWNERS, or move the write): {stray}"
     assert not any(m.startswith("lifecycle.watchdog") for w in writers.values() for m in w)
     # the rule sees what it claims to: the known writers are found
-    assert {"lifecycle.phases.train", "lifecycle.phases.resume"} <= writers["progress"]
+    assert {"lifecycle.phases.train", "lifecycle.recovery.resume"} <= writers["progress"]
     assert {"lifecycle.phases.init", "lifecycle.phases.warmup"} <= writers["comms"]
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lifecycle.checkpoint import progress
+from lifecycle.recovery import progress
 from lifecycle.rundir import restarts
 from lifecycle.rundir.restarts import Attempt, no_progress
 

@@ -213,13 +213,29 @@ def test_the_folders_stand_on_floors_type_hints_included() -> None:
     """No two folders import each other, directly or around a circle (type hints and lazy imports included): each
     folder stands above what it uses. The floors, bottom up: errors, jsontypes, hostinfo; rundir; policy (the
     schema, the kinds' registry and options); distributed; obs, handlers (the protocols); watchdog; context;
-    checkpoint (the folder's files); phases and backends; machine; launch, diagnose; cli."""
+    checkpoint (the folder's files); recovery; phases and backends; machine; launch, diagnose; cli."""
     rooms = _rooms(_graph(type_checking=True))
     assert _cycles(rooms) == [], f"folders that import each other: {_cycles(rooms)}"
     below = {"lifecycle.rundir": set(), "lifecycle.policy": {"lifecycle.rundir"}}
     for room, allowed in below.items():
         extra = rooms[room] - allowed - {"lifecycle.errors", "lifecycle.jsontypes", "lifecycle.hostinfo"}
         assert not extra, f"{room} imports {sorted(extra)}, above it"
+    above_recovery = {"lifecycle.phases", "lifecycle.backends", "lifecycle.machine", "lifecycle.launch",
+                      "lifecycle.diagnose", "lifecycle.cli"}
+    assert not rooms["lifecycle.recovery"] & above_recovery, sorted(rooms["lifecycle.recovery"] & above_recovery)
+
+
+def test_recovery_has_one_home() -> None:
+    """Restart decisions, the no-progress verdict, exclusions, in-place restarts, resume and both checked tiers
+    live in ``lifecycle/recovery/``; the folders they came from hold none of them again."""
+    modules = _modules()
+    home = {"decisions", "progress", "exclusions", "inprocess", "resume", "memory", "copies", "state_check",
+            "rejections"}
+    assert {f"lifecycle.recovery.{m}" for m in home} <= set(modules)
+    elsewhere = {"lifecycle.phases.memory", "lifecycle.phases.resume", "lifecycle.phases.state_check",
+                 "lifecycle.checkpoint.memory", "lifecycle.checkpoint.progress", "lifecycle.checkpoint.rejections",
+                 "lifecycle.obs.exclusions", "lifecycle.machine.inprocess"}
+    assert not elsewhere & set(modules), sorted(elsewhere & set(modules))
 
 
 def test_only_the_command_line_reaches_into_launch() -> None:

@@ -37,8 +37,8 @@ from lifecycle.distributed.faults import Drills
 from lifecycle.errors import CheckpointError
 from lifecycle.obs.events import EventLog
 from lifecycle.phases import checkpoint
-from lifecycle.phases.resume import resume
 from lifecycle.policy.load import validate
+from lifecycle.recovery.resume import resume
 from tests.unit.onerank import RecordingParallel
 
 

@@ -16,10 +16,10 @@ from lifecycle.errors import CheckpointError, PhaseError, PolicyError
 from lifecycle.obs.events import read_events
 from lifecycle.phases import checkpoint
 from lifecycle.phases.init import InitPhase
-from lifecycle.phases.resume import resume
 from lifecycle.phases.teardown import HardDeadline, TeardownPhase
 from lifecycle.phases.train import TrainPhase, agree_stop
 from lifecycle.phases.warmup import WarmupPhase
+from lifecycle.recovery.resume import resume
 from tests.unit.onerank import MakeCtx, RecordingParallel, names
 
 pytestmark = pytest.mark.timeout(60)
@@ -366,8 +366,8 @@ def test_a_learned_deadline_is_restored_at_the_same_layout_and_recalibrated_at_a
 
 def test_memory_copies_resume_the_next_attempt_and_a_run_that_starts_over_never_uses_them(make_ctx: MakeCtx,
                                                                                            tmp_path: Path) -> None:
-    from lifecycle.checkpoint import memory as files
-    from lifecycle.phases.resume import resume_tiers
+    from lifecycle.recovery import copies as files
+    from lifecycle.recovery.resume import resume_tiers
 
     shm = tmp_path / "shm"
     shm.mkdir()
@@ -432,9 +432,9 @@ def test_a_state_whose_first_step_fails_is_rejected_once_then_the_commit_before_
     """checkpoint.check_restore: the first step after a restore gives NaN: that commit is recorded as rejected and
     the next resume falls back to the one before; a loss above restore_loss_factor x the loss recorded at save
     rejects that one too, and with nothing older the run stops with the no-progress code (never from step 0)."""
-    from lifecycle.checkpoint import rejections
     from lifecycle.errors import BadState, NoProgress
-    from lifecycle.phases.state_check import check_restored
+    from lifecycle.recovery import rejections
+    from lifecycle.recovery.state_check import check_restored
 
     ctx = _init(make_ctx({}))
     ctx.step_handler = TrainPhase(checkpoint.save)._build(ctx)

@@ -1,4 +1,4 @@
-"""The replica check's parts (lifecycle.phases.state_check): the per-tensor digests (bit-exact replicas agree, any
+"""The replica check's parts (lifecycle.recovery.state_check): the per-tensor digests (bit-exact replicas agree, any
 flipped bit is seen, pieces give the same digest as one pass) and the choice of the ranks that differ, against
 generated replica groups. The check on real gloo ranks: tests/distributed/test_memory_tier.py."""
 
@@ -9,8 +9,8 @@ import random
 import pytest
 import torch
 
-from lifecycle.phases import state_check
-from lifecycle.phases.state_check import digests, disagreement
+from lifecycle.recovery import state_check
+from lifecycle.recovery.state_check import digests, disagreement
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.uint8, torch.bool)
 

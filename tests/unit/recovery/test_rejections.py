@@ -1,4 +1,4 @@
-"""The states rejected after a restore (lifecycle.checkpoint.rejections): recorded and read back, and a hostile or
+"""The states rejected after a restore (lifecycle.recovery.rejections): recorded and read back, and a hostile or
 damaged file counts as empty (never a hang, never a traceback)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from lifecycle.checkpoint import rejections
+from lifecycle.recovery import rejections
 
 
 def test_recorded_states_are_read_back_by_tier_and_lineage(tmp_path: Path) -> None:

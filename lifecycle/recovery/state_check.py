@@ -185,7 +185,7 @@ def check_restored(ctx: RunContext, step: int, loss: float | None, restored: tup
     :class:`~lifecycle.errors.BadState`. Local (a rank without a loss checks nothing)."""
     import math
 
-    from lifecycle.checkpoint import rejections
+    from lifecycle.recovery import rejections
 
     ck = ctx.policy.checkpoint
     if not ck.check_restore or loss is None:

@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from lifecycle.checkpoint import memory
 from lifecycle.errors import PolicyError
 from lifecycle.machine.preflight import check_memory_tier
-from lifecycle.phases.memory import buddy_of, choose, ward_of
-from lifecycle.phases.state_check import first_nonfinite
 from lifecycle.policy.options import SyntheticOptions
 from lifecycle.policy.schema import Policy
+from lifecycle.recovery import copies as memory
+from lifecycle.recovery.memory import buddy_of, choose, ward_of
+from lifecycle.recovery.state_check import first_nonfinite
 
 BOUND = memory.Bound(world=4, layout={"kind": "synthetic", "world_size": 4, "dp": 4}, options={"hidden": 8},
                      lineage=12345)

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lifecycle.checkpoint import binding, ckptdir, rejections
+from lifecycle.checkpoint import binding, ckptdir
 from lifecycle.errors import CheckpointError, NoProgress, Shutdown
-from lifecycle.phases.checkpoint import step_handler
+from lifecycle.recovery import rejections
 
 if TYPE_CHECKING:
     from lifecycle.context import RunContext
@@ -33,7 +33,7 @@ def _try_load(ctx: RunContext, path: Path) -> str | None:
     before = ctx.step
     try:
         with ctx.events.span("resume", path=str(path), deadline="checkpoint"):  # a load, not a step
-            loaded = int(step_handler(ctx).load(ctx, path))
+            loaded = int(ctx.require_step_handler().load(ctx, path))
             if not 0 <= loaded <= binding.MAX_STEP:
                 raise ValueError(f"the files hold step {loaded}, which no run reaches (forged or corrupted)")
             ctx.progress.step = loaded
@@ -140,7 +140,7 @@ def _layout_change(ctx: RunContext, path: Path) -> list[str]:
     if "kind" in binding.changed_keys(saved, now):
         why: str | None = f"it holds the state of train.kind {saved.get('kind')}, not {now.get('kind')}"
     else:
-        rule = getattr(step_handler(ctx), "reshard", None)
+        rule = getattr(ctx.require_step_handler(), "reshard", None)
         why = rule(saved, now) if callable(rule) else "this train kind does not load a checkpoint at another layout"
     if why:
         raise CheckpointError(f"cannot resume from checkpoint {path}: it was written at {binding.describe(saved)}, this "
@@ -159,7 +159,7 @@ def resume_tiers(ctx: RunContext) -> bool:
     """Every rank, after the step handler's setup: the memory tier's start (``checkpoint.memory``) and its copies
     when they are newer than the last commit, else the persistent tier (:func:`resume`) unless ``resume: never``.
     Whether a step was resumed."""
-    from lifecycle.phases.memory import tier
+    from lifecycle.recovery.memory import tier
 
     memory, touched = tier(ctx), False
     if memory is not None:
@@ -261,7 +261,7 @@ def _start_fresh(ctx: RunContext, root: Path, tracker: ckptdir.Tracker, rejected
                               f"with checkpoint.resume=auto or point checkpoint.dir at a run", path=str(root),
                               phase="train", rank=ctx.rank)
     if touched:
-        rebuild = getattr(step_handler(ctx), "rebuild", None)
+        rebuild = getattr(ctx.require_step_handler(), "rebuild", None)
         if not callable(rebuild):
             raise CheckpointError(f"no checkpoint in {root} loads on every rank, and the model was partly loaded "
                                   f"from the rejected ones ({', '.join(Path(p).name for p in rejected)}): it cannot "

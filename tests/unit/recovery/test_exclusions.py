@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from lifecycle.obs import exclusions
+from lifecycle.recovery import exclusions
 
 HOSTS = {0: "node-a", 1: "node-a", 2: "node-b", 3: "node-b"}
 

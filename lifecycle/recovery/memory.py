@@ -3,8 +3,8 @@ replicated to a buddy rank on another node, restored by the next attempt after a
 
 At every ``memory.every_steps``-th step boundary each rank takes a copy of its state (the step handler's
 ``memory_state``: CPU tensors, on the training thread) after checking that every tensor is finite
-(:mod:`lifecycle.phases.state_check`). A background thread writes the copy into the node's folder
-(:mod:`lifecycle.checkpoint.memory`), exchanges it with the buddy over a dedicated gloo group (sizes first, then the
+(:mod:`lifecycle.recovery.state_check`). A background thread writes the copy into the node's folder
+(:mod:`lifecycle.recovery.copies`), exchanges it with the buddy over a dedicated gloo group (sizes first, then the
 bytes) and, once every rank says both are written, drops the older copies; each wait bounded by the checkpoint
 deadline. The next copy waits for the previous one.
 
@@ -28,10 +28,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lifecycle.checkpoint import binding, ckptdir, rejections
-from lifecycle.checkpoint import memory as files
+from lifecycle.checkpoint import binding, ckptdir
 from lifecycle.errors import CheckpointError
-from lifecycle.phases.state_check import check_replicas, first_nonfinite, refuse_nonfinite
+from lifecycle.recovery import copies as files
+from lifecycle.recovery import rejections
+from lifecycle.recovery.state_check import check_replicas, first_nonfinite, refuse_nonfinite
 
 if TYPE_CHECKING:
     import torch
@@ -123,7 +124,7 @@ class MemoryTier:
     ward: int | None
     bound: files.Bound | None = None
     rejected: set[int] = field(default_factory=set)
-    """Steps rejected after an earlier restore (:mod:`lifecycle.checkpoint.rejections`): never restored again."""
+    """Steps rejected after an earlier restore (:mod:`lifecycle.recovery.rejections`): never restored again."""
     group: ProcessGroup | None = None
     thread: threading.Thread | None = None
     done: Written | None = None
@@ -171,11 +172,10 @@ class MemoryTier:
     def save(self, ctx: RunContext, step: int) -> None:
         """Take this rank's copy of ``step`` and hand it to the background thread (every rank, at the same step
         boundary: the exchange with the buddy pairs every rank)."""
-        from lifecycle.phases.checkpoint import step_handler
 
         self.finish(ctx)
         ctx.drills.fire("checkpoint", step=step, op="memory")  # the copies of the last one are done
-        take = getattr(step_handler(ctx), "memory_state", None)
+        take = getattr(ctx.require_step_handler(), "memory_state", None)
         if self.bound is None or not callable(take) or self.broken is not None:
             return
         group = self._group(ctx)
@@ -184,7 +184,7 @@ class MemoryTier:
             if ctx.policy.checkpoint.check_finite:
                 refuse_nonfinite(ctx, first_nonfinite(state), step, "memory")
             if ctx.policy.checkpoint.check_replicas:
-                check_replicas(ctx, step_handler(ctx), step, "memory")
+                check_replicas(ctx, ctx.require_step_handler(), step, "memory")
         deadline = ctx.deadline("checkpoint")
         self.thread = threading.Thread(target=self._write, args=(step, state, group, deadline, ctx.progress.last_loss),
                                        name=f"lifecycle-memory-{step}", daemon=True)
@@ -387,13 +387,12 @@ class MemoryTier:
         """Load ``blob`` on this rank; whether it failed (logged)."""
         import torch
 
-        from lifecycle.phases.checkpoint import step_handler
 
         try:
             if blob is None:
                 raise ValueError("no copy")
             state = torch.load(io.BytesIO(blob), weights_only=True, map_location="cpu")
-            loaded = int(step_handler(ctx).load_memory_state(ctx, state))  # type: ignore[attr-defined]
+            loaded = int(ctx.require_step_handler().load_memory_state(ctx, state))  # type: ignore[attr-defined]
             if loaded != step:
                 raise ValueError(f"the copy holds step {loaded}, not {step}")
         except Exception as exc:  # noqa: BLE001 - agreed below, then the persistent tier

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from lifecycle.distributed.sockets import cut_connections
-from lifecycle.machine import inprocess
 from lifecycle.obs.summary import current_attempt, in_process_restarts
+from lifecycle.recovery import inprocess
 from lifecycle.rundir import write_marker
 
 

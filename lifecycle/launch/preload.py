@@ -41,7 +41,8 @@ ENV_PRELOAD = "LIFECYCLE_PRELOAD"
 READY_S = 120.0
 """How long the launcher waits for the preload process's imports (a cold shared file system can take a minute)."""
 
-TORCH = ("torch", "torch.distributed", "lifecycle.launch.worker", "lifecycle.machine.session", "lifecycle.machine.orchestrator")
+# torch._dynamo: every torch optimizer's __init__ imports it (torch.optim's _disable_dynamo), in each rank otherwise
+TORCH = ("torch", "torch.distributed", "torch._dynamo", "lifecycle.launch.worker", "lifecycle.machine.session", "lifecycle.machine.orchestrator")
 # lifecycle's megatron backend first: its package sets the warning filters megatron-core's import needs
 MEGATRON = ("lifecycle.backends.megatron", "megatron.core", "megatron.core.models.gpt",
             "lifecycle.backends.megatron.parallel")

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import lifecycle.rundir as rundir
 from lifecycle.errors import RunDirError, UsageError
 from lifecycle.jsontypes import JsonDict
 from lifecycle.machine.rankdir import own_run_dir, preflight, prepare_rank_dir, release_run_dir
@@ -88,7 +89,6 @@ def _launch(policy: Policy, nproc: int, run_dir: Path, overrides: Sequence[str],
     cannot fix (a usage error, a stop the launcher was asked for) or ``restart.max_no_progress`` attempts in a row
     without a newer checkpoint (``exit_codes.no_progress``). Each restart is the next attempt: it resumes from the
     last committed checkpoint."""
-    import lifecycle.rundir as rundir
 
     if rundir.holds_run(run_dir) and policy.checkpoint.resume == "never":
         raise UsageError(f"run directory {run_dir} already holds a run and checkpoint.resume=never; pick another "
@@ -124,6 +124,8 @@ def _memory_copies_after(policy: Policy, code: int | None) -> None:
 
 def _attempts(policy: Policy, nproc: int, run_dir: Path, overrides: Sequence[str], trap: SignalTrap,
               pool: PreloadPool) -> int:
+    """The attempts; the last one's trace and picture once no other follows (a restarted attempt's would delay the
+    next one by a second or more: `lifecycle timeline` draws them from attempts/<N>/ at any time)."""
     from lifecycle.recovery import decisions
 
     budget = decisions.Budget.of(policy)
@@ -132,22 +134,30 @@ def _attempts(policy: Policy, nproc: int, run_dir: Path, overrides: Sequence[str
         if trap.received and failed is not None:  # a stop between attempts: no next one; the failure stands
             print(f"lifecycle: {trap.received[0].name}: not starting another attempt (the last one failed, exit "
                   f"{failed})", file=sys.stderr, flush=True)
+            _picture(policy, run_dir)
             return failed
         refused = _refusal(policy, run_dir)
         if refused is not None:
             print(f"lifecycle: {refused}", file=sys.stderr, flush=True)
+            if failed is not None:
+                _picture(policy, run_dir)
             return policy.teardown.exit_codes.no_progress
         code, info, stopped, started = _attempt(policy, nproc, run_dir, overrides, budget.left, pool)
         budget.spend_in_place(started, int(info.get("attempt") or started))
+        attempt = info.get("attempt") or started
         if budget.spent or stopped or decisions.final(code, policy):
+            _picture(policy, run_dir)
             return code
         if trap.received:
-            sig = trap.received[0]
-            print(f"lifecycle: {sig.name} after attempt {info.get('attempt') or started} failed (exit {code}): not "
+            print(f"lifecycle: {trap.received[0].name} after attempt {attempt} failed (exit {code}): not "
                   f"restarting", file=sys.stderr, flush=True)
+            _picture(policy, run_dir)
             return code
         failed = code
         print(decisions.restart_line(policy, info, code, budget.spend_relaunch()), flush=True)
+        if policy.run.timeline != "off":
+            print(f"timeline attempt {attempt}: drawn later with `lifecycle timeline "
+                  f"{run_dir / rundir.ATTEMPTS_DIR / str(attempt)}`", flush=True)
 
 
 def _refusal(policy: Policy, run_dir: Path) -> str | None:
@@ -162,7 +172,6 @@ def _attempt(policy: Policy, nproc: int, run_dir: Path, overrides: Sequence[str]
              restarts_left: int, pool: PreloadPool) -> tuple[int, JsonDict, bool, int]:
     """One attempt (and the attempts its ranks restarted in place): its files, its ranks, its summary. (exit code,
     summary, whether the launcher was stopped, the attempt it started as)."""
-    import lifecycle.rundir as rundir
     from lifecycle.launch.local import launch_local
     from lifecycle.machine import preflight as checks
     from lifecycle.machine.session import ENV_RESTARTS_LEFT
@@ -195,10 +204,14 @@ def _attempt(policy: Policy, nproc: int, run_dir: Path, overrides: Sequence[str]
         print(f"lifecycle: cannot write {run_dir / rundir.SUMMARY} ({getattr(exc, 'strerror', None) or exc})", file=sys.stderr,
               flush=True)
     print(summary.render(info), flush=True)
+    return int(result.exit_code), info, result.stopped_by is not None, attempt
+
+
+def _picture(policy: Policy, run_dir: Path) -> None:
+    """The run's last attempt: its merged trace and picture (``run.timeline``)."""
     from lifecycle.obs.timeline import end_of_job
 
     end_of_job(run_dir, policy.run.timeline)
-    return int(result.exit_code), info, result.stopped_by is not None, attempt
 
 
 def _preload(policy: Policy) -> tuple[str, ...] | None:

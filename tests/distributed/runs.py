@@ -48,9 +48,13 @@ class Run:
 
 
 def lifecycle_run(tmp_path: Path, nproc: int, *overrides: str, timeout: float = 100,
-                  env: dict[str, str] | None = None) -> Run:
+                  env: dict[str, str] | None = None, timeline: str | None = "trace") -> Run:
+    """``lifecycle run`` in ``tmp_path/run``. ``timeline``: the end-of-job picture is left out (``trace``: about a
+    second of matplotlib per launch) unless the overrides or ``timeline=None`` (the policy's default) ask for it."""
     import os
 
+    if timeline is not None and not any(o.lstrip("+~").startswith("run.timeline") for o in overrides):
+        overrides = (f"run.timeline={timeline}", *overrides)
     run_dir = tmp_path / "run"
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     t0 = time.monotonic()

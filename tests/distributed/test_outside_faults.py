@@ -54,7 +54,7 @@ def _left_behind(run_dir: Path) -> list[int]:
 
 def _start(tmp_path: Path) -> tuple[subprocess.Popen[str], Path]:
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "lifecycle", "run", "--nproc", "4", f"run.dir={run_dir}", *ARGS],
+    proc = subprocess.Popen([sys.executable, "-m", "lifecycle", "run", "--nproc", "4", f"run.dir={run_dir}", "run.timeline=trace", *ARGS],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
                             env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
     tracker = run_dir / "checkpoints" / "latest"

@@ -10,3 +10,8 @@ for _message in (".*Transformer Engine and Apex are not installed.*", ".*Apex is
                  ".*MimoModelConfig is experimental.*", ".*absl.logging is not installed.*",
                  ".*The argument order of load has been changed.*"):
     warnings.filterwarnings("ignore", message=_message)
+
+# Before megatron-core is imported: its jit_fuser (torch.compile) is left out where no GPU can use it (_jit.py).
+from lifecycle.backends.megatron import _jit  # noqa: E402
+
+_jit.install()

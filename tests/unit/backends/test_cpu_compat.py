@@ -32,6 +32,13 @@ PROBE = textwrap.dedent(
     from lifecycle.backends.megatron import cpu_compat as cc
 
     out = {}
+    import sys
+    import megatron.core.jit as mjit
+    from megatron.core.fusions import fused_bias_dropout
+    out["jit"] = {"dynamo_imported": "torch._dynamo" in sys.modules, "inductor_imported": "torch._inductor" in sys.modules,
+                  "fuser_disabled": mjit.jit_fuser is mjit.noop_decorator,
+                  "fusion_is_plain": fused_bias_dropout.bias_dropout_add_fused_train.__module__ == fused_bias_dropout.__name__
+                  and not hasattr(fused_bias_dropout.bias_dropout_add_fused_train, "_torchdynamo_orig_callable")}
     out["before_applied"] = cc.is_applied()
     from megatron.core.transformer.moe import moe_utils as mu  # 0.16.1 lacks it without TransformerEngine
     out["te_general_gemm_missing"] = not hasattr(mu, "te_general_gemm")
@@ -137,6 +144,17 @@ def test_unpatched_before_and_patched_after(report: dict[str, Any]) -> None:
 
 
 @pytest.mark.timeout(120)
+def test_megatron_jit_fuser_is_left_out_without_a_driver(report: dict[str, Any]) -> None:
+    """No NVIDIA driver here: megatron-core's fusions are plain functions and torch's compiler stack is never
+    imported (about 2 s of every rank's start-up)."""
+    import os
+
+    if os.path.exists("/dev/nvidiactl") or os.path.exists("/proc/driver/nvidia/version"):
+        pytest.skip("an NVIDIA driver is present: megatron's default jit_fuser stays")
+    assert report["jit"] == {"dynamo_imported": False, "inductor_imported": False, "fuser_disabled": True,
+                             "fusion_is_plain": True}, report["jit"]
+
+
 def test_lists_every_patch(report: dict[str, Any]) -> None:
     patches = report["patches"]
     for expected in ("torch.cuda.current_device", "torch.cuda.synchronize", "torch.cuda.Stream",

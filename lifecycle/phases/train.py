@@ -260,12 +260,15 @@ class StepLoop:
         if save_step:
             self._save(ctx, "periodic")
         mem = ck.memory.every_steps
-        if mem and step % mem == 0 and ctx.step_handler is not None:
-            from lifecycle.recovery.memory import tier
+        if mem and ctx.step_handler is not None:
+            from lifecycle.recovery.memory import MemoryTier, tier
 
-            copies = tier(ctx)
+            live = ctx.comms.memory
+            copies = tier(ctx) if step % mem == 0 else live if isinstance(live, MemoryTier) else None
             if copies is not None:
-                copies.save(ctx, step)
+                copies.poll(ctx)  # the last copy's checks, once its thread is done: a refused one fails here
+                if step % mem == 0:
+                    copies.save(ctx, step)
         # The stop flag's all-reduce also carries the adaptive deadlines: with auto deadlines it runs even
         # when signals are not handled (its flag is then ignored).
         # checkpoint.signal_check_every trades that all-reduce on most steps for a later stop after a signal;

@@ -32,7 +32,15 @@ from lifecycle.checkpoint import binding, ckptdir
 from lifecycle.errors import CheckpointError
 from lifecycle.recovery import copies as files
 from lifecycle.recovery import rejections
-from lifecycle.recovery.state_check import check_replicas, first_nonfinite, refuse_nonfinite
+from lifecycle.recovery.state_check import (
+    Diverged,
+    ReplicaRows,
+    compare_rows,
+    first_nonfinite,
+    refuse_nonfinite,
+    replica_rows,
+    replica_verdict,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -110,6 +118,15 @@ class Written:
     held: int = 0
     write_s: float = 0.0
     error: str | None = None
+    nonfinite: tuple[str, int] | None = None
+    """The copy's first non-finite tensor and its count (the copy was then neither written nor sent)."""
+    diverged: list[Diverged] = field(default_factory=list)
+    """Replica groups of this rank whose digests disagreed (this rank among the odd ones: nothing written)."""
+    checked: list[str] = field(default_factory=list)
+    """The replica groups compared."""
+
+    def refused(self, rank: int) -> bool:
+        return self.nonfinite is not None or any(rank not in d.agree for d in self.diverged)
 
 
 @dataclass
@@ -171,7 +188,9 @@ class MemoryTier:
     # ---- copies ------------------------------------------------------------------------------------------------
     def save(self, ctx: RunContext, step: int) -> None:
         """Take this rank's copy of ``step`` and hand it to the background thread (every rank, at the same step
-        boundary: the exchange with the buddy pairs every rank)."""
+        boundary: the exchange with the buddy pairs every rank). On the training thread only the copy itself and the
+        replicas' local digests; the checks (finite, replicas alike) run on the background thread, before anything
+        is written, and a refused copy fails this rank at the next step boundary (:meth:`poll`)."""
 
         self.finish(ctx)
         ctx.drills.fire("checkpoint", step=step, op="memory")  # the copies of the last one are done
@@ -179,22 +198,24 @@ class MemoryTier:
         if self.bound is None or not callable(take) or self.broken is not None:
             return
         group = self._group(ctx)
+        ck = ctx.policy.checkpoint
         with ctx.events.span("memory_save", step=step):
             state = take(ctx)
-            if ctx.policy.checkpoint.check_finite:
-                refuse_nonfinite(ctx, first_nonfinite(state), step, "memory")
-            if ctx.policy.checkpoint.check_replicas:
-                check_replicas(ctx, ctx.require_step_handler(), step, "memory")
+            rows = replica_rows(ctx, ctx.require_step_handler()) if ck.check_replicas else None
         deadline = ctx.deadline("checkpoint")
-        self.thread = threading.Thread(target=self._write, args=(step, state, group, deadline, ctx.progress.last_loss),
+        self.thread = threading.Thread(target=self._write,
+                                       args=(step, state, group, deadline, ctx.progress.last_loss, ck.check_finite,
+                                             rows),
                                        name=f"lifecycle-memory-{step}", daemon=True)
         self.thread.start()
 
     def _write(self, step: int, state: object, group: ProcessGroup | None, deadline: float,
-               loss: float | None = None) -> None:
-        """The background thread: this rank's copy, the exchange with the buddies, then — once every rank says its
-        copy and the one it holds are written — the older copies go. Until then they stay: a failure at any moment
-        leaves the last step every rank completed."""
+               loss: float | None = None, finite: bool = False, rows: ReplicaRows | None = None) -> None:
+        """The background thread: the copy's checks, this rank's copy, the exchange with the buddies, then — once
+        every rank says its copy and the one it holds are written — the older copies go. Until then they stay: a
+        failure at any moment leaves the last step every rank completed. A refused copy (non-finite, or this rank's
+        replica odd) is neither written nor sent, and the older copies stay everywhere; every rank still takes part
+        in each collective."""
         import torch
 
         done = Written(step)
@@ -202,15 +223,23 @@ class MemoryTier:
         own, held = files.own_dir(self.base, self.rank), None
         try:
             assert self.bound is not None
-            buf = io.BytesIO()
-            torch.save(state, buf)
-            blob = buf.getvalue()
-            done.bytes = files.write(own, step, self.rank, blob, self.bound, loss)
+            done.nonfinite = first_nonfinite(state) if finite else None
+            if rows is not None and group is not None:
+                done.diverged = self._compare(rows, group, deadline)
+                done.checked = [name for name, ranks, _ in rows.groups if ranks]
+            refused = done.refused(self.rank)
+            blob = b""
+            if not refused:
+                buf = io.BytesIO()
+                torch.save(state, buf)
+                blob = buf.getvalue()
+                done.bytes = files.write(own, step, self.rank, blob, self.bound, loss)
             if group is not None and self.buddy is not None and self.ward is not None:
                 got = self._exchange(blob, group, deadline)
                 held = files.held_dir(self.base, self.ward)
-                done.held = files.write(held, step, self.ward, got, self.bound)
-            if self._everyone_wrote(group, deadline):
+                if got:  # an empty one: the ward refused its copy
+                    done.held = files.write(held, step, self.ward, got, self.bound)
+            if self._everyone_wrote(group, deadline, ok=not refused and not done.diverged):
                 files.prune(own, self.keep)
                 if held is not None:
                     files.prune(held, self.keep)
@@ -219,14 +248,27 @@ class MemoryTier:
         done.write_s = time.perf_counter() - t0
         self.done = done
 
-    def _everyone_wrote(self, group: ProcessGroup | None, deadline: float) -> bool:
-        """Every rank wrote its copy (and the one it holds): an all-reduce on the tier's group (True alone)."""
+    def _compare(self, rows: ReplicaRows, group: ProcessGroup, deadline: float) -> list[Diverged]:
+        """Every rank's replica digests (two all-gathers on the tier's group: the sizes, then the padded rows),
+        compared for this rank's groups."""
+        import torch
+
+        size = torch.tensor([rows.payload.numel()], dtype=torch.int64)
+        sizes = [int(t.item()) for t in self._gather(size, "replica digest sizes", deadline)]
+        padded = torch.zeros(max(sizes), dtype=torch.int64)
+        padded[:rows.payload.numel()] = rows.payload
+        gathered = self._gather(padded, "replica digests", deadline)
+        return compare_rows(rows, {r: g[:sizes[r]].tolist() for r, g in enumerate(gathered)})
+
+    def _everyone_wrote(self, group: ProcessGroup | None, deadline: float, ok: bool = True) -> bool:
+        """Every rank wrote its copy (and the one it holds) and none refused it (``ok``): an all-reduce on the
+        tier's group (``ok`` alone)."""
         import torch
         import torch.distributed as dist
 
         if group is None:
-            return True
-        flag = torch.ones(1, dtype=torch.int64)
+            return ok
+        flag = torch.ones(1, dtype=torch.int64) * int(ok)
         work = dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group, async_op=True)
         self._wait([work], "all_reduce(memory copies written)", list(range(self.world)), deadline)
         return bool(flag.item())
@@ -250,8 +292,10 @@ class MemoryTier:
         self._wait(works, "memory copy bytes", [self.buddy, self.ward], deadline)
         return incoming.numpy().tobytes() if incoming.numel() else b""
 
-    def finish(self, ctx: RunContext, timeout_s: float | None = None) -> None:
-        """Wait for the copy in flight (bounded by the checkpoint deadline) and record what became of it."""
+    def finish(self, ctx: RunContext, timeout_s: float | None = None, *, verdict: bool = True) -> None:
+        """Wait for the copy in flight (bounded by the checkpoint deadline) and record what became of it; with
+        ``verdict`` a copy its checks refused fails this rank (:class:`~lifecycle.errors.BadState`: the odd replicas,
+        a non-finite state), otherwise it is only logged."""
         thread, self.thread = self.thread, None
         if thread is None:
             return
@@ -267,10 +311,26 @@ class MemoryTier:
         if done is None:
             return
         ctx.events.instant("memory_saved", step=done.step, bytes=done.bytes, held=done.held,
-                           write_s=round(done.write_s, 4), error=done.error)
+                           write_s=round(done.write_s, 4), error=done.error, replicas=done.checked,
+                           refused=done.refused(self.rank))
         if done.error is not None:
             self.broken = done.error
             log.error("memory copy of step %d: %s; no more copies this round", done.step, done.error)
+            return
+        if not verdict:
+            if done.refused(self.rank) or done.diverged:
+                log.error("memory copy of step %d was refused by its checks (%s)", done.step,
+                          done.nonfinite or done.diverged)
+            return
+        refuse_nonfinite(ctx, done.nonfinite, done.step, "memory")
+        for found in done.diverged:
+            replica_verdict(ctx, found, done.step, "memory")
+
+    def poll(self, ctx: RunContext) -> None:
+        """At a step boundary: the verdict of a copy whose thread has finished (a refused copy fails this rank
+        here, with :class:`~lifecycle.errors.BadState`); nothing while it runs."""
+        if self.thread is not None and not self.thread.is_alive():
+            self.finish(ctx)
 
     # ---- start: the lineage, the restore -----------------------------------------------------------------------
     def start(self, ctx: RunContext) -> int:
@@ -406,6 +466,6 @@ class MemoryTier:
         """Wait for a copy in flight (``wait_s``, else the checkpoint deadline); on a finished run remove this
         rank's copies: the run is over and the persistent tier holds what it saved."""
         if self.thread is not None:
-            self.finish(ctx, timeout_s=wait_s)
+            self.finish(ctx, timeout_s=wait_s, verdict=False)
         if finished:
             files.remove_rank(self.base, self.rank, self.ward)

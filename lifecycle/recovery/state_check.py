@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -134,7 +135,8 @@ def check_replicas(ctx: RunContext, handler: object, step: int, tier: str) -> No
     majority (every rank when there is none) fail with :class:`~lifecycle.errors.BadState` naming the group, the
     tensor and the ranks — the others go on and are taken down by that failure, so the state is never saved.
     Collective on each named group (every rank of it calls this at the same boundary); nothing for a handler that
-    names none."""
+    names none. (The memory tier takes the digests with :func:`replica_rows` and compares them off the training
+    thread: :func:`compare_rows`.)"""
     import time
 
     import torch
@@ -160,21 +162,92 @@ def check_replicas(ctx: RunContext, handler: object, step: int, tier: str) -> No
         ctx.count_op(name)
         rows = [[(int(a), int(b)) for a, b in g.cpu().tolist()] for g in gathered]
         odd = disagreement(rows, ranks)
-        if odd is None:
+        if odd is not None:
+            k, differ, agree = odd
+            replica_verdict(ctx, Diverged(name, named[k][0], differ, agree), step, tier)
+
+
+@dataclass(frozen=True)
+class Diverged:
+    """Replicas that disagree: the group, the first tensor that differs, the odd ranks and the others."""
+
+    group: str
+    tensor: str
+    differ: list[int]
+    agree: list[int]
+
+
+def replica_verdict(ctx: RunContext, found: Diverged, step: int, tier: str) -> None:
+    """A ``state_check`` event; then a :class:`~lifecycle.errors.BadState` on the odd ranks (the culprits), a warning
+    on the others (the save cannot complete without the odd ones)."""
+    ctx.events.instant("state_check", step=step, tier=tier, check="replicas", group=found.group, tensor=found.tensor,
+                       ranks=found.differ[:64], agree=found.agree[:64])
+    who = (f"ranks {found.differ} differ from ranks {found.agree}" if found.agree
+           else f"ranks {found.differ} disagree (no majority)")
+    if ctx.rank in found.agree:
+        log.warning("the data-parallel replicas on group %s disagree at step %d: %s in %s; they fail, so nothing of "
+                    "this step is saved", found.group, step, who, found.tensor)
+        return
+    raise BadState(f"rank {ctx.rank}: the data-parallel replicas on group {found.group} disagree at step {step}: "
+                   f"{who} in {found.tensor}; not saved to the {tier} tier; the next attempt resumes from the last good "
+                   f"state", phase=ctx.events.phase, rank=ctx.rank)
+
+
+@dataclass(frozen=True)
+class ReplicaRows:
+    """One rank's digests of every replica group the handler names, taken at a step boundary on the training thread
+    (cheap and local) to be compared later by :func:`compare_rows`. ``payload``: int64 ``[G, c_0 .. c_G-1, rows]``,
+    ``c_i`` the number of tensors of group ``i`` (0 where it is skipped: fewer than 2 ranks, no tensor)."""
+
+    groups: list[tuple[str, list[int], list[str]]]
+    """(group name, its ranks, the tensor names) in the handler's order."""
+    payload: torch.Tensor
+
+
+def replica_rows(ctx: RunContext, handler: object) -> ReplicaRows | None:
+    """This rank's :class:`ReplicaRows`, or None when the handler names no replica group of 2+ ranks."""
+    import torch
+
+    from lifecycle.distributed.groups import group_ranks
+
+    replicas = getattr(handler, "replicas", None)
+    if not callable(replicas):
+        return None
+    groups: list[tuple[str, list[int], list[str]]] = []
+    rows: list[torch.Tensor] = []
+    for name, named in replicas(ctx):
+        found = group_ranks(ctx.parallel, name)
+        ranks = list(found[1]) if found is not None and len(found[1]) >= 2 and named else []
+        groups.append((name, ranks, [n for n, _ in named] if ranks else []))
+        rows.append(digests(named).cpu().reshape(-1) if ranks else torch.zeros(0, dtype=torch.int64))
+    if not any(ranks for _, ranks, _ in groups):
+        return None
+    header = torch.tensor([len(groups), *(len(names) for _, _, names in groups)], dtype=torch.int64)
+    return ReplicaRows(groups, torch.cat([header, *rows]))
+
+
+def compare_rows(mine: ReplicaRows, payloads: dict[int, list[int]]) -> list[Diverged]:
+    """Every group of ``mine`` whose replicas disagree, from each rank's payload (``payloads[rank]``, as
+    :class:`ReplicaRows` lays it out; a rank missing or with another count of tensors differs). Pure."""
+    out = []
+    for i, (name, ranks, names) in enumerate(mine.groups):
+        if not ranks:
             continue
-        k, differ, agree = odd
-        tensor = named[k][0]
-        ctx.events.instant("state_check", step=step, tier=tier, check="replicas", group=name, tensor=tensor,
-                           ranks=differ[:64], agree=agree[:64])
-        who = (f"ranks {differ} differ from ranks {agree}" if agree
-               else f"ranks {differ} disagree (no majority)")
-        if ctx.rank in agree:  # the odd ranks fail (the culprits); the save cannot complete without them
-            log.warning("the data-parallel replicas on group %s disagree at step %d: %s in %s; they fail, so "
-                        "nothing of this step is saved", name, step, who, tensor)
-            continue
-        raise BadState(f"rank {ctx.rank}: the data-parallel replicas on group {name} disagree at step {step}: {who} "
-                       f"in {tensor}; not saved to the {tier} tier; the next attempt resumes from the last good "
-                       f"state", phase=ctx.events.phase, rank=ctx.rank)
+        rows: list[list[tuple[int, int]]] = []
+        for r in ranks:
+            p = payloads.get(r) or [0]
+            counts = p[1:1 + p[0]]
+            if i >= len(counts) or counts[i] != len(names):
+                rows.append([(-1, r)] * len(names))  # another shape: unlike everyone else's
+                continue
+            at = 1 + p[0] + 2 * sum(counts[:i])
+            flat = p[at:at + 2 * counts[i]]
+            rows.append([(flat[2 * k], flat[2 * k + 1]) for k in range(counts[i])])
+        odd = disagreement(rows, ranks)
+        if odd is not None:
+            k, differ, agree = odd
+            out.append(Diverged(name, names[k], differ, agree))
+    return out
 
 
 # ---- the first step after a restore -------------------------------------------------------------------------------

@@ -91,9 +91,12 @@ def test_lost_damaged_and_non_finite_states_resume_from_the_newest_good_step_and
         return [json.loads(line) for f in sorted(folder.glob("rank_*.jsonl")) for line in f.read_text().splitlines()
                 if '"state_check"' in line]
 
+    # compared off the training thread: rank 2 fails at the next step boundary; a peer that reached one by then says
+    # it too (the others are already waiting for rank 2 in the step's all-reduce)
     diverged = checks(1)
-    assert len(diverged) == 4 and all(c["check"] == "replicas" and c["tier"] == "memory" and c["step"] == 6
-                                      and c["ranks"] == [2] and c["agree"] == [0, 1, 3] for c in diverged), diverged
+    assert 2 in {c["rank"] for c in diverged} and all(
+        c["check"] == "replicas" and c["tier"] == "memory" and c["step"] == 6 and c["ranks"] == [2]
+        and c["agree"] == [0, 1, 3] for c in diverged), diverged
     nan = checks(2)
     assert nan and all(c["tier"] == "persistent" and c["step"] == 10 and c["nonfinite"] > 0 for c in nan)
     restores = checks(3)  # every rank: the losses are all-reduced, rank 1's NaN among them

@@ -86,3 +86,63 @@ def test_the_odd_ranks_are_those_outside_the_strict_largest_group_of_equal_diges
             assert agree == [] and differ == ranks  # no majority: every rank is named
         else:
             assert agree == max(groups.values(), key=len) and len({rows[ranks.index(r)][k] for r in agree}) == 1
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_rows_compared_off_the_training_thread_give_the_verdict_of_a_per_group_gather(seed: int) -> None:
+    """The memory tier lays every group's digests into one payload per rank and compares them after a world-wide
+    gather (``replica_rows`` / ``compare_rows``): on generated layouts (two partitions of the world into replica
+    groups, like dp_cp and edp; some ranks' tensors perturbed, some groups without tensors) the verdict equals
+    ``disagreement`` over each group's rows; a rank whose payload has another count of tensors is odd."""
+    rng = random.Random(seed)
+    for _ in range(100):
+        world = rng.choice((2, 4, 6, 8))
+        layouts = []
+        for _g in range(2):
+            size = rng.choice([d for d in (1, 2, world // 2, world) if d >= 1 and world % d == 0])
+            perm = list(range(world))
+            rng.shuffle(perm)
+            layouts.append([sorted(perm[i:i + size]) for i in range(0, world, size)])
+        counts = [rng.randint(0, 3) for _ in layouts]
+        base = {(g, k, m): (rng.randrange(1 << 40), rng.randrange(1 << 40)) for g in range(2) for k in range(counts[g])
+                for m in range(world)}  # per group, tensor and replica set
+        digest_of = {}
+        for r in range(world):
+            for g, parts in enumerate(layouts):
+                group = next(p for p in parts if r in p)
+                for k in range(counts[g]):
+                    value = base[(g, k, group[0])]
+                    if rng.random() < 0.08:
+                        value = (value[0] + 1, value[1])  # this replica diverged
+                    digest_of[(r, g, k)] = value
+
+        def rows_of(r: int, shape: list[int]) -> state_check.ReplicaRows:
+            groups, flat = [], []
+            for g, parts in enumerate(layouts):
+                ranks = next(p for p in parts if r in p)
+                live = len(ranks) >= 2 and shape[g] > 0
+                groups.append((f"g{g}", ranks if live else [], [f"t{k}" for k in range(shape[g])] if live else []))
+                if live:
+                    flat += [x for k in range(shape[g]) for x in digest_of.get((r, g, k), (7, 7))]
+            header = [len(groups), *(len(names) for _, _, names in groups)]
+            return state_check.ReplicaRows(groups, torch.tensor(header + flat, dtype=torch.int64))
+
+        odd_shape = rng.randrange(world) if rng.random() < 0.2 else None
+        rows = {r: rows_of(r, [c + (1 if r == odd_shape else 0) for c in counts]) for r in range(world)}
+        payloads = {r: rows[r].payload.tolist() for r in range(world)}
+        for r in range(world):
+            got = {d.group: d for d in state_check.compare_rows(rows[r], payloads)}
+            for g, parts in enumerate(layouts):
+                ranks = next(p for p in parts if r in p)
+                if len(ranks) < 2 or counts[g] + (1 if r == odd_shape else 0) == 0:
+                    assert f"g{g}" not in got
+                    continue
+                if odd_shape in ranks:
+                    assert f"g{g}" in got and (odd_shape in got[f"g{g}"].differ or not got[f"g{g}"].agree)
+                    continue
+                want = disagreement([[digest_of[(m, g, k)] for k in range(counts[g])] for m in ranks], ranks)
+                if want is None:
+                    assert f"g{g}" not in got
+                else:
+                    d = got[f"g{g}"]
+                    assert (d.tensor, d.differ, d.agree) == (f"t{want[0]}", want[1], want[2])

@@ -79,7 +79,7 @@ class LaunchResult:
 def launch_local(argv: list[str], nproc: int, run_dir: Path, *, env: dict[str, str] | None = None,
                  kill_grace_s: float = 3.0, preempt_grace_s: float = 3.0, poll_s: float = 0.1,
                  console_ranks: Iterable[int] = (0,), preload: Sequence[str] | None = None,
-                 pool: PreloadPool | None = None) -> LaunchResult:
+                 pool: PreloadPool | None = None, launched_at: float | None = None) -> LaunchResult:
     """Run ``argv`` as ranks 0..nproc-1 on this machine and return when every rank has ended.
 
     On the first rank that ends non-zero, writes ``run_dir/.shutdown``, SIGTERMs (and SIGCONTs) the others
@@ -93,7 +93,8 @@ def launch_local(argv: list[str], nproc: int, run_dir: Path, *, env: dict[str, s
     ``preload``: modules to import once in a process the ranks are forked from (``argv`` must be ``python -m
     MODULE ...``; see :mod:`lifecycle.launch.preload`); ``None`` starts every rank by ``exec``. ``pool``: keep the
     preload process for the caller's next launch (a relaunched attempt forks from it without importing again); the
-    caller closes the pool. Without one, the preload process ends with this launch.
+    caller closes the pool. Without one, the preload process ends with this launch. ``launched_at``: when the
+    launch began for the ranks' start-up (``LIFECYCLE_LAUNCHED_AT``; now when not given).
     """
     if nproc < 1 or not argv or poll_s <= 0 or kill_grace_s < 0 or preempt_grace_s < 0:
         raise ValueError(f"launch_local: need argv, nproc >= 1, poll_s > 0, kill_grace_s >= 0, preempt_grace_s >= 0 "
@@ -102,7 +103,7 @@ def launch_local(argv: list[str], nproc: int, run_dir: Path, *, env: dict[str, s
     run_dir = Path(run_dir).resolve()
     logs = _prepare(run_dir, nproc)
     start = time.monotonic()
-    launched_at = time.time()
+    launched_at = time.time() if launched_at is None else launched_at  # the ranks' start-up counts from it
     own = pool is None
     pool = PreloadPool() if pool is None else pool
     zygote = pool.take(argv, run_dir, preload, env)
@@ -180,20 +181,33 @@ class PreloadPool:
         """The preload process to fork this launch's ranks from (None: start them by ``exec``)."""
         if preload is None or argv[1:2] != ["-m"] or not preload_mod.enabled({**os.environ, **(env or {})}):
             return None
-        if self._zygote is not None and self._zygote.usable and self._modules == tuple(preload):
+        have, want = self._modules, tuple(preload)
+        if self._zygote is not None and self._zygote.usable and want[:len(have)] == have:
+            self._zygote.extend(want[len(have):])  # a process started early with torch's: megatron-core's too
+            self._modules = want
             return self._zygote
         self.close()
+        self._start(run_dir, want, env)
+        return self._zygote
+
+    def prestart(self, run_dir: Path, modules: Sequence[str]) -> None:
+        """Start the preload process now with ``modules`` (``lifecycle run``: torch's, while it composes the policy);
+        :meth:`take` adds what the launch needs."""
+        if self._zygote is None and preload_mod.enabled():
+            self._start(run_dir, tuple(modules), None)
+
+    def _start(self, run_dir: Path, modules: tuple[str, ...], env: dict[str, str] | None) -> None:
         common = dict(env or {})
         for name in ("OMP_NUM_THREADS", "PYTHONUNBUFFERED"):
             common.setdefault(name, os.environ.get(name, "1"))
-        self._zygote, self._modules = preload_mod.Zygote(run_dir, preload, common, ENV_LAUNCHER_PID), tuple(preload)
-        return self._zygote
+        self._zygote, self._modules = preload_mod.Zygote(run_dir, modules, common, ENV_LAUNCHER_PID), modules
 
-    def close(self) -> None:
-        """The preload process leaves (its ranks have ended: each launch waits for them)."""
+    def close(self, *, kill: bool = False) -> None:
+        """The preload process leaves (its ranks have ended: each launch waits for them); ``kill``: at once, its
+        imports unfinished (no launch came: a policy error, a refusal before any rank)."""
         zygote, self._zygote = self._zygote, None
         if zygote is not None:
-            zygote.close()
+            zygote.close(kill=kill)
 
 
 def _launch_forked(zygote: preload_mod.Zygote, argv: list[str], envs: dict[int, dict[str, str]],

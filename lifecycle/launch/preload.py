@@ -14,8 +14,10 @@ process (``LIFECYCLE_LAUNCHER_PID`` names it; see :mod:`lifecycle.launch.parent`
 The preload process reaps the ranks and reports each exit status to the launcher over its stdout; to the launcher a
 rank is a :class:`Forked` handle with the ``pid``/``poll``/``wait`` it used on a ``Popen``.
 
-Protocol (one line each): launcher -> preload: a JSON request ``{"rank", "log", "env", "argv"}``; preload ->
-launcher: ``ready``, ``pid RANK PID``, ``exit PID CODE`` (negative: killed by that signal), ``error TEXT``.
+Protocol (one line each): launcher -> preload: a JSON request ``{"rank", "log", "env", "argv"}``, or ``{"import":
+[MODULE, ...]}`` (more imports: ``lifecycle run`` starts the process with torch's before it has composed the policy,
+then asks for megatron-core's when the policy needs them); preload -> launcher: ``ready`` (after the imports, and
+after each ``import`` request), ``pid RANK PID``, ``exit PID CODE`` (negative: killed by that signal), ``error TEXT``.
 Only on machines without an NVIDIA driver (gloo on CPUs): an import may touch CUDA, and a CUDA context does not
 survive a fork, so GPU ranks start by ``exec`` as before. ``LIFECYCLE_PRELOAD=0`` turns it off (every rank is then started by ``exec`` as before); a preload process that does
 not come up in :data:`READY_S` is given up for the same start-by-exec, with a warning.
@@ -131,11 +133,27 @@ class Zygote:
         self.close(kill=True)
         return why
 
+    def extend(self, modules: Sequence[str]) -> None:
+        """Import ``modules`` too before the next fork (:meth:`wait_ready` waits for them)."""
+        if not modules:
+            return
+        assert self.proc.stdin is not None
+        with self.changed:
+            self._ready = False
+        try:
+            self.proc.stdin.write(json.dumps({"import": list(modules)}).encode() + b"\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, ValueError):
+            with self.changed:
+                self._gone = True
+                self.changed.notify_all()
+
     @property
     def usable(self) -> bool:
-        """Ready, still running and taking requests: the next launch (a relaunched attempt) can fork from it."""
+        """Still running and taking requests (its imports done or under way: :meth:`wait_ready` waits for them): the
+        next launch (a relaunched attempt, or the first one after an early start) can fork from it."""
         with self.changed:
-            return self._ready and not self._gone and not self._errors and self.proc.poll() is None
+            return not self._gone and not self._errors and self.proc.poll() is None
 
     def fork(self, rank: int, argv: Sequence[str], env: Mapping[str, str], log_file: Path) -> Forked:
         request = json.dumps({"rank": rank, "argv": list(argv), "env": dict(env), "log": str(log_file)})
@@ -274,15 +292,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     _STATUS_FD = os.dup(1)
     os.dup2(2, 1)  # stdout of the imports goes where stderr goes (nowhere: the launcher discards it)
     die_with_launcher()
-    for name in args[1:]:
-        try:
-            importlib.import_module(name)
-        except BaseException as exc:  # noqa: BLE001 - the launcher falls back to starting ranks by exec
-            _say(f"error importing {name}: {type(exc).__name__}: {exc}")
-            return 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    _say("ready")
+
+    def imported(names: Sequence[str]) -> bool:
+        for name in names:
+            try:
+                importlib.import_module(name)
+            except BaseException as exc:  # noqa: BLE001 - the launcher falls back to starting ranks by exec
+                _say(f"error importing {name}: {type(exc).__name__}: {exc}")
+                return False
+        sys.stdout.flush()
+        sys.stderr.flush()
+        _say("ready")
+        return True
+
+    if not imported(args[1:]):
+        return 1
     children: dict[int, int] = {}  # pidfd -> pid
     buf, closed = b"", False
     while not closed or children:
@@ -295,6 +319,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 while b"\n" in buf:
                     line, buf = buf.split(b"\n", 1)
                     request = json.loads(line)
+                    if "import" in request:
+                        if not imported(request["import"]):
+                            return 1
+                        continue
                     request["env"][_launcher_env()] = str(os.getpid())  # the rank dies with this process
                     pid = os.fork()
                     if pid == 0:

@@ -20,6 +20,7 @@ import dataclasses
 import datetime
 import os
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -63,15 +64,38 @@ def run(overrides: Sequence[str], *, nproc: int = 4, config_dir: str | None = No
         return _run_as_rank(policy, overrides)
     if nproc < 1:
         raise UsageError(f"--nproc must be >= 1 (got {nproc})")
+    started_at = time.time()
     os.environ.setdefault("LIFECYCLE_RUN_ID", _new_run_id())
-    loaded = load(overrides, config_dir=config_dir, config_name=config_name)
-    sinks.check(sinks.from_env())
-    capacity.check_nproc(loaded.policy, nproc, oversubscribe=oversubscribe)
-    return launch(loaded.policy, nproc, overrides=overrides)
+    from lifecycle.launch.local import PreloadPool
+
+    pool = PreloadPool()
+    try:
+        _prestart(pool)
+        loaded = load(overrides, config_dir=config_dir, config_name=config_name)
+        sinks.check(sinks.from_env())
+        capacity.check_nproc(loaded.policy, nproc, oversubscribe=oversubscribe)
+        return launch(loaded.policy, nproc, overrides=overrides, pool=pool, started_at=started_at)
+    finally:
+        pool.close(kill=True)  # after a launch it is closed already; before one (a bad policy, exit 2) at once
 
 
-def launch(policy: Policy, nproc: int, *, overrides: Sequence[str] = ()) -> int:
-    """Take the run directory, write the resolved policy, start the ranks, print and write the summary."""
+def _prestart(pool: PreloadPool) -> None:
+    """The ranks' preload process starts importing torch while the launcher composes the policy (about a second of
+    every launch); megatron-core's modules follow when the policy needs them. Not where ranks start by ``exec``: a
+    machine with an NVIDIA driver (see :func:`_preload`)."""
+    from lifecycle.distributed.comm_memory import has_nvidia_driver
+    from lifecycle.launch import preload
+
+    if not has_nvidia_driver():
+        pool.prestart(Path.cwd(), preload.TORCH)
+
+
+def launch(policy: Policy, nproc: int, *, overrides: Sequence[str] = (), pool: PreloadPool | None = None,
+           started_at: float | None = None) -> int:
+    """Take the run directory, write the resolved policy, start the ranks, print and write the summary. ``pool``: a
+    preload process already started; ``started_at``: when `lifecycle run` began (the first attempt's start-up counts
+    from it)."""
+    from lifecycle.launch.local import PreloadPool
     from lifecycle.launch.signals import SignalTrap
 
     run_dir = own_run_dir(policy)
@@ -79,12 +103,13 @@ def launch(policy: Policy, nproc: int, *, overrides: Sequence[str] = ()) -> int:
         # Between attempts too, SIGINT/SIGTERM are a stop request: no next attempt starts (the launcher's own trap
         # takes over while ranks run).
         with SignalTrap(tuple(policy.checkpoint.signals)) as trap:
-            return _launch(policy, nproc, run_dir, overrides, trap)
+            return _launch(policy, nproc, run_dir, overrides, trap, pool or PreloadPool(), started_at)
     finally:
         release_run_dir(run_dir)
 
 
-def _launch(policy: Policy, nproc: int, run_dir: Path, overrides: Sequence[str], trap: SignalTrap) -> int:
+def _launch(policy: Policy, nproc: int, run_dir: Path, overrides: Sequence[str], trap: SignalTrap,
+            pool: PreloadPool, started_at: float | None = None) -> int:
     """Attempts in ``run_dir`` until one succeeds, ``restart.max_restarts`` are spent, a failure that a restart
     cannot fix (a usage error, a stop the launcher was asked for) or ``restart.max_no_progress`` attempts in a row
     without a newer checkpoint (``exit_codes.no_progress``). Each restart is the next attempt: it resumes from the
@@ -94,12 +119,9 @@ def _launch(policy: Policy, nproc: int, run_dir: Path, overrides: Sequence[str],
         raise UsageError(f"run directory {run_dir} already holds a run and checkpoint.resume=never; pick another "
                          f"run.name/run.id, remove it, or set checkpoint.resume=auto to continue it")
     preflight(policy, nproc, ranks_per_node=nproc)
-    from lifecycle.launch.local import PreloadPool
-
-    pool = PreloadPool()  # one preload process for every attempt: a relaunch does not import torch again
     code: int | None = None
-    try:
-        code = _attempts(policy, nproc, run_dir, overrides, trap, pool)
+    try:  # one preload process for every attempt: a relaunch does not import torch again
+        code = _attempts(policy, nproc, run_dir, overrides, trap, pool, started_at)
         return code
     finally:
         pool.close()
@@ -123,7 +145,7 @@ def _memory_copies_after(policy: Policy, code: int | None) -> None:
 
 
 def _attempts(policy: Policy, nproc: int, run_dir: Path, overrides: Sequence[str], trap: SignalTrap,
-              pool: PreloadPool) -> int:
+              pool: PreloadPool, started_at: float | None = None) -> int:
     """The attempts; the last one's trace and picture once no other follows (a restarted attempt's would delay the
     next one by a second or more: `lifecycle timeline` draws them from attempts/<N>/ at any time)."""
     from lifecycle.recovery import decisions
@@ -142,7 +164,8 @@ def _attempts(policy: Policy, nproc: int, run_dir: Path, overrides: Sequence[str
             if failed is not None:
                 _picture(policy, run_dir)
             return policy.teardown.exit_codes.no_progress
-        code, info, stopped, started = _attempt(policy, nproc, run_dir, overrides, budget.left, pool)
+        code, info, stopped, started = _attempt(policy, nproc, run_dir, overrides, budget.left, pool,
+                                                started_at if failed is None else None)
         budget.spend_in_place(started, int(info.get("attempt") or started))
         attempt = info.get("attempt") or started
         if budget.spent or stopped or decisions.final(code, policy):
@@ -169,7 +192,7 @@ def _refusal(policy: Policy, run_dir: Path) -> str | None:
 
 
 def _attempt(policy: Policy, nproc: int, run_dir: Path, overrides: Sequence[str],
-             restarts_left: int, pool: PreloadPool) -> tuple[int, JsonDict, bool, int]:
+             restarts_left: int, pool: PreloadPool, started_at: float | None = None) -> tuple[int, JsonDict, bool, int]:
     """One attempt (and the attempts its ranks restarted in place): its files, its ranks, its summary. (exit code,
     summary, whether the launcher was stopped, the attempt it started as)."""
     from lifecycle.launch.local import launch_local
@@ -188,7 +211,7 @@ def _attempt(policy: Policy, nproc: int, run_dir: Path, overrides: Sequence[str]
     result = launch_local([sys.executable, "-m", "lifecycle.launch.worker", str(run_dir)], nproc, run_dir,
                           env={rundir.ENV_ATTEMPT: str(attempt), ENV_RESTARTS_LEFT: str(restarts_left)},
                           preempt_grace_s=policy.checkpoint.grace_s + policy.teardown.deadline_s,
-                          preload=_preload(policy), pool=pool)
+                          preload=_preload(policy), pool=pool, launched_at=started_at)
     if result.first_failure is not None and result.per_rank.get(result.first_failure, 0) < 0:
         # A rank killed by a signal (kill -9, the OOM killer) died: the policy's code for that, not 128+N (the
         # signal stays in the outcome line and the summary).

@@ -106,3 +106,29 @@ def test_a_pool_forks_every_launch_of_a_job_from_one_preload_process_and_replace
         assert len(parents[2]) == 1 and parents[2] != parents[1], parents  # the dead one was replaced
     finally:
         pool.close()
+
+
+def test_a_preload_process_started_early_imports_what_the_launch_adds_and_forks_from_the_same_process(
+        tmp_path: Path) -> None:
+    """``lifecycle run`` starts the preload process with torch's modules before it has composed the policy, then the
+    launch asks for more (megatron-core's): the same process imports them and forks the ranks, which find them
+    imported; a launch asking for other modules than those it started with gets a new process."""
+    from lifecycle.launch.local import PreloadPool, launch_local
+
+    probe = ("import os, sys; print('parent=%d csv=%s' % (os.getppid(), 'csv' in sys.modules), flush=True); "
+             "os._exit(0)")
+    argv = ["python", "-m", "timeit", "-n1", "-r1", probe]
+    pool = PreloadPool()
+    try:
+        pool.prestart(tmp_path, ("json",))
+        early = pool.take(argv, tmp_path, ("json",), None)
+        assert early is not None
+        pid = early.proc.pid
+        result = launch_local(argv, 2, tmp_path / "a", preload=("json", "csv"), pool=pool, kill_grace_s=0.5)
+        assert result.exit_code == 0, result
+        logs = " ".join((tmp_path / "a" / "logs" / f"rank_{r}.log").read_text() for r in range(2))
+        assert logs.count(f"parent={pid} csv=True") == 2, logs  # forked from the early process, csv imported there
+        other = pool.take(argv, tmp_path, ("csv",), None)  # not an extension of what it holds: a new process
+        assert other is not None and other.proc.pid != pid
+    finally:
+        pool.close(kill=True)

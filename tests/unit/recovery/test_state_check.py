@@ -88,6 +88,20 @@ def test_the_odd_ranks_are_those_outside_the_strict_largest_group_of_equal_diges
             assert agree == max(groups.values(), key=len) and len({rows[ranks.index(r)][k] for r in agree}) == 1
 
 
+def _rows_of(r: int, shape: list[int], layouts: list[list[list[int]]],
+             digest_of: dict[tuple[int, int, int], tuple[int, int]]) -> state_check.ReplicaRows:
+    """Rank ``r``'s payload as replica_rows lays it out (``shape``: its count of tensors per group)."""
+    groups, flat = [], []
+    for g, parts in enumerate(layouts):
+        ranks = next(p for p in parts if r in p)
+        live = len(ranks) >= 2 and shape[g] > 0
+        groups.append((f"g{g}", ranks if live else [], [f"t{k}" for k in range(shape[g])] if live else []))
+        if live:
+            flat += [x for k in range(shape[g]) for x in digest_of.get((r, g, k), (7, 7))]
+    header = [len(groups), *(len(names) for _, _, names in groups)]
+    return state_check.ReplicaRows(groups, torch.tensor(header + flat, dtype=torch.int64))
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_rows_compared_off_the_training_thread_give_the_verdict_of_a_per_group_gather(seed: int) -> None:
     """The memory tier lays every group's digests into one payload per rank and compares them after a world-wide
@@ -116,19 +130,9 @@ def test_rows_compared_off_the_training_thread_give_the_verdict_of_a_per_group_g
                         value = (value[0] + 1, value[1])  # this replica diverged
                     digest_of[(r, g, k)] = value
 
-        def rows_of(r: int, shape: list[int]) -> state_check.ReplicaRows:
-            groups, flat = [], []
-            for g, parts in enumerate(layouts):
-                ranks = next(p for p in parts if r in p)
-                live = len(ranks) >= 2 and shape[g] > 0
-                groups.append((f"g{g}", ranks if live else [], [f"t{k}" for k in range(shape[g])] if live else []))
-                if live:
-                    flat += [x for k in range(shape[g]) for x in digest_of.get((r, g, k), (7, 7))]
-            header = [len(groups), *(len(names) for _, _, names in groups)]
-            return state_check.ReplicaRows(groups, torch.tensor(header + flat, dtype=torch.int64))
-
         odd_shape = rng.randrange(world) if rng.random() < 0.2 else None
-        rows = {r: rows_of(r, [c + (1 if r == odd_shape else 0) for c in counts]) for r in range(world)}
+        rows = {r: _rows_of(r, [c + (1 if r == odd_shape else 0) for c in counts], layouts, digest_of)
+                for r in range(world)}
         payloads = {r: rows[r].payload.tolist() for r in range(world)}
         for r in range(world):
             got = {d.group: d for d in state_check.compare_rows(rows[r], payloads)}

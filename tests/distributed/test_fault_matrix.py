@@ -1,5 +1,6 @@
 """The fault-drill matrix on 4 real gloo ranks: {init, warmup, train, checkpoint, teardown} x {stall, crash,
-raise, signal}, plus a rank that skips a collective.
+raise, signal}, plus a rank that skips a collective. The stall, crash and raise cells of one fault share a launch:
+each phase's drill fires in its own attempt, and the launcher relaunches the next.
 
 One model-free layout (tp2, the synthetic train kind) keeps every run at a few seconds. For each cell:
 the job's exit code (3 stall, 4 crash/raise, 0 SIGTERM = graceful preemption), every rank leaving on
@@ -106,23 +107,64 @@ def _assert_checkpoint(run: Run, step: int | None) -> None:
         assert state["step"] == step and state["model"]
 
 
-CELLS = [(phase, fault) for phase in WHERE for fault in CODE]
+PHASES = list(WHERE)
+
+
+def _attempt(run: Run, n: int, last: int) -> Run:
+    """Attempt ``n`` of a chained run: its own folder (attempts/<n>/) once a later attempt started."""
+    return run if n == last else Run(run.proc, run.run_dir / "attempts" / str(n), run.wall_s)
+
+
+@pytest.mark.timeout(170)
+@pytest.mark.parametrize("fault", ["crash", "raise", "stall"])
+def test_fault_drill_in_each_phase_then_the_relaunch(tmp_path: Path, fault: str) -> None:
+    """One cell per attempt of one `lifecycle run`: attempt N rehearses ``fault`` in the Nth phase (init, warmup,
+    train, checkpoint, teardown) and the launcher relaunches the next from its preload process, resuming from what
+    the failed attempts committed. Each attempt is checked as a run of its own: the exit code, every rank leaving
+    within the deadline, the report naming phase, group, op and the one culprit; at the end no rank left and the
+    commits each failure left (the next attempt's resume says what the last one committed)."""
+    culprits = [0 if (phase, fault) == ("train", "crash") else 1 for phase in PHASES]  # rank 0 dies once
+    drills = ", ".join(_drill_yaml(phase, fault, culprit, n) for n, (phase, culprit) in
+                       enumerate(zip(PHASES, culprits, strict=True), start=1))
+    init = [f"watchdog.deadlines.init={INIT_STALL_DEADLINE}"] if fault == "stall" else []
+    run = lifecycle_run(tmp_path, 4, *BASE, *init, f"restart.max_restarts={len(PHASES) - 1}", "restart.mode=relaunch",
+                        "restart.max_no_progress=10", f"+faults=[{drills}]", timeout=160)
+    last = len(PHASES)
+    assert run.code == CODE[fault], run.output
+    _assert_no_rank_left(run)
+    for n, (phase, culprit) in enumerate(zip(PHASES, culprits, strict=True), start=1):
+        attempt = _attempt(run, n, last)
+        summary = attempt.summary()
+        assert summary["attempt"] == n and summary["exit_code"] == CODE[fault], (phase, summary.get("outcome"))
+        _assert_exits(attempt, phase, fault, culprit)
+        _assert_reports(attempt, phase, culprit)
+        if n < last:  # what attempt n left committed, as attempt n+1 resumed it
+            assert _resumed(_attempt(run, n + 1, last)) == LATEST[phase], (phase, n)
+    _assert_checkpoint(run, LATEST["teardown"])
+
+
+def _resumed(run: Run) -> int | None:
+    """The step rank 0 resumed from (its log's ``resumed from step N``), None for a fresh start."""
+    found = re.search(r"resumed from step (\d+)", run.log(0))
+    return int(found.group(1)) if found else None
+
+
+def _drill_yaml(phase: str, fault: str, rank: int, attempt: int) -> str:
+    where = "" if (phase, fault) == ("init", "stall") else f", {WHERE[phase]}"  # stall before the rendezvous
+    return f"{{at: {phase}, ranks: [{rank}], action: {fault}{where}, attempts: [{attempt}]}}"
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("phase,fault", CELLS, ids=[f"{p}-{f}" for p, f in CELLS])
-def test_fault_drill(tmp_path: Path, phase: str, fault: str) -> None:
-    culprit = 0 if (phase, fault) == ("train", "crash") else 1  # rank 0 dies once: rank 1 reports then
-    run = lifecycle_run(tmp_path, 4, *BASE, *_drill(phase, fault, culprit), timeout=80)
-    assert run.code == CODE[fault], run.output
+@pytest.mark.parametrize("phase", PHASES)
+def test_a_sigterm_in_each_phase_is_a_graceful_stop(tmp_path: Path, phase: str) -> None:
+    """A SIGTERM is a preemption, not a failure: exit 0, no report, the save it leads to (one run per phase: a stop
+    ends the run, so the phases cannot share one)."""
+    run = lifecycle_run(tmp_path, 4, *BASE, *_drill(phase, "signal", 1), timeout=80)
+    assert run.code == CODE["signal"], run.output
     _assert_no_rank_left(run)
-    _assert_exits(run, phase, fault, culprit)
-    if fault == "signal":
-        assert not (run.run_dir / "hang_report.json").exists()
-        _assert_checkpoint(run, LATEST_SIGNAL[phase])
-        return
-    _assert_reports(run, phase, culprit)
-    _assert_checkpoint(run, LATEST[phase])
+    _assert_exits(run, phase, "signal", 1)
+    assert not (run.run_dir / "hang_report.json").exists()
+    _assert_checkpoint(run, LATEST_SIGNAL[phase])
 
 
 @pytest.mark.timeout(90)

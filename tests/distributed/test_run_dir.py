@@ -67,7 +67,7 @@ def test_a_fifo_as_attempt_counter_or_tracker_is_named_not_waited_on(tmp_path: P
 @pytest.mark.timeout(120)
 def test_a_second_launcher_is_refused_and_the_first_is_undisturbed(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    first = subprocess.Popen([sys.executable, "-m", "lifecycle", "run", "--nproc", "2", f"run.dir={run}", "run.timeline=trace", *SYNTHETIC,
+    first = subprocess.Popen([sys.executable, "-m", "lifecycle", "run", "--nproc", "2", f"run.dir={run}", *SYNTHETIC,
                               *FAST, "train.steps=30", "train.options.step_sleep_s=0.2", "checkpoint.every_steps=10"],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                              env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -184,7 +184,7 @@ def test_a_reader_that_leaves_neither_stops_the_job_nor_changes_its_exit_code(tm
     run = tmp_path / "run"
     err = tmp_path / "stderr.txt"
     with open(err, "w") as stderr:
-        proc = subprocess.Popen([sys.executable, "-m", "lifecycle", "run", "--nproc", "2", f"run.dir={run}", "run.timeline=trace", *QUICK,
+        proc = subprocess.Popen([sys.executable, "-m", "lifecycle", "run", "--nproc", "2", f"run.dir={run}", *QUICK,
                                  "train.steps=6", "+faults=[{at: train, step: 5, ranks: [1], action: raise}]"],
                                 stdout=subprocess.PIPE, stderr=stderr, cwd=ROOT, start_new_session=True,
                                 env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -242,7 +242,7 @@ def test_a_checkpoint_folder_broken_mid_run_is_one_line_exit_4_and_the_last_comm
 
 
 def _launch(run_dir: Path, steps: int, *extra: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "lifecycle", "run", "--nproc", "2", f"run.dir={run_dir}", "run.timeline=trace", *SYNTHETIC,
+    return subprocess.Popen([sys.executable, "-m", "lifecycle", "run", "--nproc", "2", f"run.dir={run_dir}", *SYNTHETIC,
                              *FAST, f"train.steps={steps}", "checkpoint.every_steps=2", "checkpoint.keep_last=2",
                              *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
                             env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)

@@ -25,7 +25,7 @@ STEPS = 40  # 0.2 s each: a run never reaches its end within the sweep
 def _stopped_at(tmp_path: Path, sig: signal.Signals, delay_s: float,
                 *extra: str) -> tuple[int, str, dict[str, object]]:
     run_dir = tmp_path / f"{sig.name}-{delay_s:.2f}"
-    cmd = [sys.executable, "-m", "lifecycle", "run", f"run.dir={run_dir}", "run.timeline=trace", *SYNTHETIC, *FAST, f"train.steps={STEPS}",
+    cmd = [sys.executable, "-m", "lifecycle", "run", f"run.dir={run_dir}", *SYNTHETIC, *FAST, f"train.steps={STEPS}",
            "+train.options.step_sleep_s=0.2", "checkpoint.every_steps=1000", *extra, "--nproc", "2"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})

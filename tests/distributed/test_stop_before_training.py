@@ -25,7 +25,7 @@ def test_a_rank_waiting_in_init_for_a_crashed_peer_leaves_on_torchruns_sigterm(t
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id",
-           f"stop-{os.getpid()}-{time.monotonic_ns()}", "-m", "lifecycle", "run", f"run.dir={run_dir}", "run.timeline=trace", *SYNTHETIC,
+           f"stop-{os.getpid()}-{time.monotonic_ns()}", "-m", "lifecycle", "run", f"run.dir={run_dir}", *SYNTHETIC,
            *FAST, "train.steps=4", "+faults=[{at: init, ranks: [1], action: crash}]"]
     t0 = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=80, cwd=tmp_path,

@@ -50,7 +50,7 @@ def test_an_overlapped_flag_is_read_one_step_later(tmp_path: Path) -> None:
 
 
 def _start(run_dir: Path, *extra: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "lifecycle", "run", "--nproc", "2", f"run.dir={run_dir}", "run.timeline=trace",
+    return subprocess.Popen([sys.executable, "-m", "lifecycle", "run", "--nproc", "2", f"run.dir={run_dir}",
                              *SYNTHETIC, *FAST, "train.steps=400", "train.options.step_sleep_s=0.05",
                              "checkpoint.every_steps=0", "checkpoint.grace_s=10", *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
@@ -109,7 +109,7 @@ def test_a_launcher_sigterm_waits_for_a_slow_save_and_a_killed_launcher_leaves_n
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-    final = subprocess.run([sys.executable, "-m", "lifecycle", "run", "--nproc", "2", f"run.dir={run_dir}", "run.timeline=trace",
+    final = subprocess.run([sys.executable, "-m", "lifecycle", "run", "--nproc", "2", f"run.dir={run_dir}",
                             *SYNTHETIC, *FAST, f"train.steps={saved + 2}"], capture_output=True, text=True, cwd=ROOT,
                            env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=60)
     assert final.returncode == 0, final.stdout[-3000:] + final.stderr[-3000:]

@@ -35,6 +35,8 @@ PROBE = textwrap.dedent(
     import sys
     import megatron.core.jit as mjit
     from megatron.core.fusions import fused_bias_dropout
+    import megatron.core.package_info as mpi
+    out["megatron"] = mpi.__version__
     out["jit"] = {"dynamo_imported": "torch._dynamo" in sys.modules, "inductor_imported": "torch._inductor" in sys.modules,
                   "fuser_disabled": mjit.jit_fuser is mjit.noop_decorator,
                   "fusion_is_plain": fused_bias_dropout.bias_dropout_add_fused_train.__module__ == fused_bias_dropout.__name__
@@ -145,14 +147,17 @@ def test_unpatched_before_and_patched_after(report: dict[str, Any]) -> None:
 
 @pytest.mark.timeout(120)
 def test_megatron_jit_fuser_is_left_out_without_a_driver(report: dict[str, Any]) -> None:
-    """No NVIDIA driver here: megatron-core's fusions are plain functions and torch's compiler stack is never
-    imported (about 2 s of every rank's start-up)."""
+    """No NVIDIA driver here: megatron-core's fusions are plain functions. On 0.16 that keeps torch's compiler stack
+    out of the import (about 2 s of every rank's start-up); 0.17 and later also compile an inference router with
+    ``@torch.compile`` directly, which imports it anyway."""
     import os
 
     if os.path.exists("/dev/nvidiactl") or os.path.exists("/proc/driver/nvidia/version"):
         pytest.skip("an NVIDIA driver is present: megatron's default jit_fuser stays")
-    assert report["jit"] == {"dynamo_imported": False, "inductor_imported": False, "fuser_disabled": True,
-                             "fusion_is_plain": True}, report["jit"]
+    jit = report["jit"]
+    assert jit["fuser_disabled"] and jit["fusion_is_plain"], jit
+    if report["megatron"].startswith("0.16."):
+        assert not jit["dynamo_imported"] and not jit["inductor_imported"], jit
 
 
 def test_lists_every_patch(report: dict[str, Any]) -> None:

@@ -43,11 +43,12 @@ ENV_PRELOAD = "LIFECYCLE_PRELOAD"
 READY_S = 120.0
 """How long the launcher waits for the preload process's imports (a cold shared file system can take a minute)."""
 
-# torch._dynamo: every torch optimizer's __init__ imports it (torch.optim's _disable_dynamo), in each rank otherwise
-TORCH = ("torch", "torch.distributed", "torch._dynamo", "lifecycle.launch.worker", "lifecycle.machine.session", "lifecycle.machine.orchestrator")
+TORCH = ("torch", "torch.distributed", "lifecycle.launch.worker", "lifecycle.machine.session", "lifecycle.machine.orchestrator")
 # lifecycle's megatron backend first: its package sets the warning filters megatron-core's import needs
+# torch._dynamo: a torch optimizer's __init__ imports it (torch.optim's _disable_dynamo), which megatron's optimizer
+# builds in every rank otherwise (0.7 s each; the synthetic kind never imports it)
 MEGATRON = ("lifecycle.backends.megatron", "megatron.core", "megatron.core.models.gpt",
-            "lifecycle.backends.megatron.parallel")
+            "lifecycle.backends.megatron.parallel", "torch._dynamo")
 
 
 def enabled(env: Mapping[str, str] | None = None) -> bool:

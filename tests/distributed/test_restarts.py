@@ -25,7 +25,9 @@ def test_a_crash_in_attempt_1_restarts_resumes_with_the_learned_deadline_and_fin
     summary = run.summary()
     assert summary["attempt"] == 2 and summary["exit_code"] == 0 and summary["loss"]["steps"] == 7
     [first] = summary["earlier_attempts"]
-    assert first["exit_code"] == 4 and first["blame"]["ranks"] == [2] and first["last_step"] == 6
+    # rank 0's last finished step: 6, or 5 when the launcher's shutdown after rank 2's death reached it inside step
+    # 6's boundary (its all-reduce done, the step not yet counted)
+    assert first["exit_code"] == 4 and first["blame"]["ranks"] == [2] and first["last_step"] in (5, 6), first
     assert 0 < first["restart_s"] < 60, first  # failure -> the next attempt's first step
     # Attempt 2 starts from the deadline attempt 1 learned and saved with checkpoint 5, not the 600 s ceiling.
     for rank, events in run.events().items():

@@ -48,7 +48,7 @@ from lifecycle.watchdog.bounded import BoundedChannel
 from lifecycle.watchdog.causes import Cause
 from lifecycle.watchdog.members import members_of
 from lifecycle.watchdog.report import publish, publish_local, publish_usage
-from lifecycle.watchdog.sidechannel import SideChannel, connect, store_address
+from lifecycle.watchdog.sidechannel import SideChannel, answers, connect, store_address
 from lifecycle.watchdog.straggler import StragglerDetector
 from lifecycle.watchdog.tracker import ProgressTracker
 
@@ -131,8 +131,14 @@ class Watchdog:
         thread must never sit in a long C++ call when the interpreter exits."""
         deadline = time.monotonic() + self.ctx.deadlines.deadline("init")
         while not self._stop.is_set():
+            attempt_s = min(CONNECT_ATTEMPT_S, max(deadline - time.monotonic(), 0.1))
+            if not answers(attempt_s):  # not up or not answering yet: retry quietly
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"the rendezvous store at {store_address()} did not answer")
+                self._stop.wait(0.1)
+                continue
             try:
-                store = connect(min(CONNECT_ATTEMPT_S, max(deadline - time.monotonic(), 0.1)))
+                store = connect(attempt_s)
             except Exception:  # noqa: BLE001 - not up yet (rank 0 creates it inside init under mp.spawn)
                 if time.monotonic() >= deadline:
                     raise

@@ -50,6 +50,22 @@ def connect(timeout_s: float, op_timeout_s: float = 5.0) -> Store | None:
     return store
 
 
+def answers(timeout_s: float) -> bool:
+    """Whether the rendezvous store's port accepts a connection within ``timeout_s`` (a plain socket, closed at once;
+    True without MASTER_ADDR/MASTER_PORT). Probed before each :func:`connect` attempt: a store that does not answer yet
+    costs a quiet retry, not torch's c10d timeout line with its C++ stack in the rank's log."""
+    import socket
+
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not addr or not port:
+        return True
+    try:
+        with socket.create_connection((addr, int(port)), timeout=timeout_s):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
 def store_address() -> str:
     """``HOST:PORT`` of the rendezvous store, for messages."""
     return f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"

@@ -156,26 +156,22 @@ def _attempts(policy: Policy, nproc: int, run_dir: Path, overrides: Sequence[str
         if trap.received and failed is not None:  # a stop between attempts: no next one; the failure stands
             print(f"lifecycle: {trap.received[0].name}: not starting another attempt (the last one failed, exit "
                   f"{failed})", file=sys.stderr, flush=True)
-            _picture(policy, run_dir)
-            return failed
+            return _drawn(policy, run_dir, failed)
         refused = _refusal(policy, run_dir)
         if refused is not None:
             print(f"lifecycle: {refused}", file=sys.stderr, flush=True)
-            if failed is not None:
-                _picture(policy, run_dir)
-            return policy.teardown.exit_codes.no_progress
+            code = policy.teardown.exit_codes.no_progress
+            return code if failed is None else _drawn(policy, run_dir, code)
         code, info, stopped, started = _attempt(policy, nproc, run_dir, overrides, budget.left, pool,
                                                 started_at if failed is None else None)
         budget.spend_in_place(started, int(info.get("attempt") or started))
         attempt = info.get("attempt") or started
-        if budget.spent or stopped or decisions.final(code, policy):
-            _picture(policy, run_dir)
-            return code
-        if trap.received:
+        ends = budget.spent or stopped or decisions.final(code, policy)
+        if trap.received and not ends:
             print(f"lifecycle: {trap.received[0].name} after attempt {attempt} failed (exit {code}): not "
                   f"restarting", file=sys.stderr, flush=True)
-            _picture(policy, run_dir)
-            return code
+        if ends or trap.received:
+            return _drawn(policy, run_dir, code)
         failed = code
         print(decisions.restart_line(policy, info, code, budget.spend_relaunch()), flush=True)
         if policy.run.timeline != "off":
@@ -230,11 +226,12 @@ def _attempt(policy: Policy, nproc: int, run_dir: Path, overrides: Sequence[str]
     return int(result.exit_code), info, result.stopped_by is not None, attempt
 
 
-def _picture(policy: Policy, run_dir: Path) -> None:
-    """The run's last attempt: its merged trace and picture (``run.timeline``)."""
+def _drawn(policy: Policy, run_dir: Path, code: int) -> int:
+    """The run's last attempt: its merged trace and picture (``run.timeline``); ``code`` back."""
     from lifecycle.obs.timeline import end_of_job
 
     end_of_job(run_dir, policy.run.timeline)
+    return code
 
 
 def _preload(policy: Policy) -> tuple[str, ...] | None:

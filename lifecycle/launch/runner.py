@@ -152,21 +152,23 @@ def _attempts(policy: Policy, nproc: int, run_dir: Path, overrides: Sequence[str
 
     budget = decisions.Budget.of(policy)
     failed: int | None = None  # the exit code of the attempt that failed before this one
+    info: JsonDict = {}  # its summary
     while True:
         if trap.received and failed is not None:  # a stop between attempts: no next one; the failure stands
             print(f"lifecycle: {trap.received[0].name}: not starting another attempt (the last one failed, exit "
                   f"{failed})", file=sys.stderr, flush=True)
-            return _drawn(policy, run_dir, failed)
+            return _drawn(policy, run_dir, _last_goodput(run_dir, info, failed))
         refused = _refusal(policy, run_dir)
         if refused is not None:
             print(f"lifecycle: {refused}", file=sys.stderr, flush=True)
             code = policy.teardown.exit_codes.no_progress
-            return code if failed is None else _drawn(policy, run_dir, code)
+            return code if failed is None else _drawn(policy, run_dir, _last_goodput(run_dir, info, code))
         code, info, stopped, started = _attempt(policy, nproc, run_dir, overrides, budget.left, pool,
                                                 started_at if failed is None else None)
         budget.spend_in_place(started, int(info.get("attempt") or started))
         attempt = info.get("attempt") or started
         ends = budget.spent or stopped or decisions.final(code, policy)
+        _summarize(run_dir, info, goodput=bool(ends or trap.received))
         if trap.received and not ends:
             print(f"lifecycle: {trap.received[0].name} after attempt {attempt} failed (exit {code}): not "
                   f"restarting", file=sys.stderr, flush=True)
@@ -212,18 +214,44 @@ def _attempt(policy: Policy, nproc: int, run_dir: Path, overrides: Sequence[str]
         # A rank killed by a signal (kill -9, the OOM killer) died: the policy's code for that, not 128+N (the
         # signal stays in the outcome line and the summary).
         result = dataclasses.replace(result, exit_code=policy.teardown.exit_codes.rank_failed)
-    info = summary.build(run_dir, result)
+    info = summary.build(run_dir, result, goodput=False)
     if result.exit_code:
         _exclude(run_dir, info)
     # The last attempt, in place too; never an earlier one (ranks killed before they wrote an event name none).
     restarts.record_end(run_dir, max(int(info.get("attempt") or 0), attempt), int(result.exit_code))
+    return int(result.exit_code), info, result.stopped_by is not None, attempt
+
+
+def _last_goodput(run_dir: Path, info: JsonDict, code: int) -> int:
+    """No attempt follows the last one after all (a stop or the no-progress verdict between attempts): the run's
+    goodput into its summary, and its line; ``code`` back."""
+    from lifecycle.obs import summary
+
+    summary.add_goodput(run_dir, info)
+    line = (info.get("goodput") or {}).get("line")
+    try:
+        summary.write(run_dir, info)
+    except (OSError, RunDirError):
+        pass  # the summary without it stays; the line is still printed
+    if line:
+        print(f"goodput  {line}", flush=True)
+    return code
+
+
+def _summarize(run_dir: Path, info: JsonDict, *, goodput: bool) -> None:
+    """Write and print an attempt's summary; ``goodput``: with the run's goodput (the last attempt: it reads every
+    attempt's events, which a relaunch does not wait for)."""
+    from lifecycle.obs import summary
+    from lifecycle.rundir import safeio
+
+    if goodput:
+        summary.add_goodput(run_dir, info)
     try:
         summary.write(run_dir, info)
     except (OSError, safeio.RunDirError) as exc:  # a full disk: the verdict is still printed and its code returned
-        print(f"lifecycle: cannot write {run_dir / rundir.SUMMARY} ({getattr(exc, 'strerror', None) or exc})", file=sys.stderr,
-              flush=True)
+        print(f"lifecycle: cannot write {run_dir / rundir.SUMMARY} ({getattr(exc, 'strerror', None) or exc})",
+              file=sys.stderr, flush=True)
     print(summary.render(info), flush=True)
-    return int(result.exit_code), info, result.stopped_by is not None, attempt
 
 
 def _drawn(policy: Policy, run_dir: Path, code: int) -> int:

@@ -271,9 +271,11 @@ def _earlier(run_dir: Path, restarts: list[dict[str, Any]]) -> list[dict[str, An
     return [merged[n] for n in sorted(merged)]
 
 
-def build(run_dir: Path, launch: Any | None = None) -> dict[str, Any]:
+def build(run_dir: Path, launch: Any | None = None, *, goodput: bool = True) -> dict[str, Any]:
     """Aggregate a run directory's events into the summary (a failed run gets one too): the last attempt's, with the
-    attempts that restarted in place in the same processes before it (``in_process_restarts``)."""
+    attempts that restarted in place in the same processes before it (``in_process_restarts``). ``goodput``: with the
+    run's goodput over every attempt (it reads them all: the launcher adds it with :func:`add_goodput` once no other
+    attempt follows, not on the way to a relaunch)."""
     every = {r: valid_events(evs) for r, evs in read_events(run_dir).items()}
     restarted = in_process_restarts(every.get(0, []))
     events = {r: current_attempt(evs) for r, evs in every.items()}
@@ -323,7 +325,8 @@ def build(run_dir: Path, launch: Any | None = None) -> dict[str, Any]:
         summary.update(exit_code=launch.exit_code, outcome=launch.describe(), wall_s=round(launch.wall_s, 2),
                        first_failure=launch.first_failure, failed_phase=launch.phase)
     summary["unfinished"] = unfinished(summary)  # a stop signal saved it before its last step: it resumes when run again
-    summary["goodput"] = _goodput(run_dir)
+    if goodput:
+        add_goodput(run_dir, summary)
     summary["blame"] = blame(run_dir, summary)
     b = summary["blame"]
     if launch is not None and b and b.get("source") != "launcher" and b.get("ranks") \
@@ -406,14 +409,15 @@ def render(s: dict[str, Any]) -> str:
     return _render(s)
 
 
-def _goodput(run_dir: Path) -> dict[str, Any]:
-    """The run's goodput over every attempt (lifecycle.obs.goodput); ``{"error": ...}`` where its files cannot be
-    read (the render then prints no goodput line)."""
+def add_goodput(run_dir: Path, summary: dict[str, Any]) -> None:
+    """``summary["goodput"]``: the run's goodput over every attempt (lifecycle.obs.goodput); ``{"error": ...}`` where
+    its files cannot be read (the render then prints no goodput line)."""
     from lifecycle.errors import LifecycleError
     from lifecycle.obs import goodput
 
     try:
         g = goodput.account(Path(run_dir))
     except (OSError, ValueError, TypeError, KeyError, LifecycleError) as exc:  # a run directory someone edited
-        return {"error": f"{type(exc).__name__}: {exc}"[:200]}
-    return {**g.to_json(), "line": g.line()}
+        summary["goodput"] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
+        return
+    summary["goodput"] = {**g.to_json(), "line": g.line()}

@@ -5,6 +5,6 @@ if "run" in sys.argv[1:]:  # a stop signal from the first instruction on is reco
 
     record_early()
 
-from lifecycle.cli import main  # noqa: E402 - after the signals are recorded
+from lifecycle.cli import console  # noqa: E402 - after the signals are recorded
 
-raise SystemExit(main())
+console()

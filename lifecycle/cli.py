@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
@@ -319,6 +320,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         with reader_may_leave():
             return _main(args)
     return _main(args)
+
+
+def console() -> NoReturn:
+    """The `lifecycle` command (the console script and ``python -m lifecycle``): :func:`main`, then, where the command
+    imported torch (`lifecycle run`: its ranks have ended, its files are closed), the process leaves without the
+    interpreter's shutdown — half a second of torch's module teardown at the end of every launch, a preemption's
+    requeue included — once what it printed is flushed."""
+    code = main()
+    if "torch" not in sys.modules:
+        sys.exit(code)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # the reader left (`lifecycle run | head`), or the stream is closed
+            pass
+    logging.shutdown()
+    os._exit(code)
 
 
 def _main(args: argparse.Namespace) -> int:

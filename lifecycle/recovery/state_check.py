@@ -94,21 +94,55 @@ _CHUNK = 1 << 22  # words per piece of a digest: bounds the int64 temporaries (3
 def digests(named: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
     """``[n, 2]`` int64 on the tensors' device: per tensor, the wrapping sums of its 32-bit words (bytes when its
     size is not a multiple of 4) and of their squares. Any single changed bit moves the first; bit-exact replicas
-    give equal rows. Local; one pass over each tensor, in pieces."""
+    give equal rows. Local; one pass over each tensor: small tensors in batches of up to ``_CHUNK`` words (a handful
+    of kernels per batch, not per tensor), a large one in pieces of ``_CHUNK``."""
     import torch
 
-    rows = []
-    for _, t in named:
+    rows: list[torch.Tensor | None] = [None] * len(named)
+    batch: list[tuple[int, torch.Tensor]] = []
+    for i, (_, t) in enumerate(named):
         raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
         words = raw.view(torch.int32) if raw.numel() % 4 == 0 else raw
-        s1 = torch.zeros((), dtype=torch.int64, device=raw.device)
-        s2 = torch.zeros((), dtype=torch.int64, device=raw.device)
-        for piece in words.split(_CHUNK):
-            x = piece.to(torch.int64)
-            s1 += x.sum()
-            s2 += (x * x).sum()
-        rows.append(torch.stack([s1, s2]))
-    return torch.stack(rows) if rows else torch.zeros((0, 2), dtype=torch.int64)
+        if words.numel() > _CHUNK:
+            rows[i] = _pieces(words)
+            continue
+        if batch and (batch[0][1].dtype != words.dtype or batch[0][1].device != words.device
+                      or sum(w.numel() for _, w in batch) + words.numel() > _CHUNK):
+            _batched(batch, rows)
+            batch = []
+        batch.append((i, words))
+    if batch:
+        _batched(batch, rows)
+    if not rows:
+        return torch.zeros((0, 2), dtype=torch.int64)
+    return torch.stack([r for r in rows if r is not None])
+
+
+def _pieces(words: torch.Tensor) -> torch.Tensor:
+    """``[2]``: the wrapping sums of one large tensor's words and of their squares, ``_CHUNK`` words at a time."""
+    import torch
+
+    s1 = torch.zeros((), dtype=torch.int64, device=words.device)
+    s2 = torch.zeros((), dtype=torch.int64, device=words.device)
+    for piece in words.split(_CHUNK):
+        x = piece.to(torch.int64)
+        s1 += x.sum()
+        s2 += (x * x).sum()
+    return torch.stack([s1, s2])
+
+
+def _batched(batch: list[tuple[int, torch.Tensor]], rows: list[torch.Tensor | None]) -> None:
+    """The rows of several small tensors (one dtype and device, ``_CHUNK`` words together) from one concatenation:
+    per tensor, differences of the running sums at its bounds (the same wrapping sums as :func:`_pieces`)."""
+    import torch
+
+    x = torch.cat([w for _, w in batch]).to(torch.int64)
+    zero = torch.zeros(1, dtype=torch.int64, device=x.device)
+    both = torch.stack([torch.cat([zero, x.cumsum(0)]), torch.cat([zero, (x * x).cumsum(0)])], dim=1)
+    ends = torch.tensor([w.numel() for _, w in batch], dtype=torch.int64).cumsum(0).to(x.device)
+    sums = both[ends] - both[torch.cat([zero, ends[:-1]])]
+    for (i, _), row in zip(batch, sums, strict=True):
+        rows[i] = row
 
 
 def disagreement(rows: list[list[tuple[int, int]]], ranks: list[int]) -> tuple[int, list[int], list[int]] | None:

@@ -57,6 +57,38 @@ def test_a_tensor_taken_in_pieces_has_the_digest_of_one_pass(monkeypatch: pytest
     assert torch.equal(digests([("w", t)]), whole)
 
 
+
+def _one_by_one(named: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
+    """The digests' definition, one tensor at a time in Python integers: the sums of its 32-bit words (bytes when
+    its size is not a multiple of 4) and of their squares, wrapped to signed 64 bits."""
+    def wrap(v: int) -> int:
+        v &= (1 << 64) - 1
+        return v - (1 << 64) if v >= 1 << 63 else v
+
+    rows = []
+    for _, t in named:
+        raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        words = (raw.view(torch.int32) if raw.numel() % 4 == 0 else raw).tolist()
+        rows.append([wrap(sum(words)), wrap(sum(w * w for w in words))])
+    return torch.tensor(rows, dtype=torch.int64).reshape(-1, 2)
+
+
+@pytest.mark.parametrize("chunk", [1 << 22, 16, 5])
+def test_batched_digests_are_the_per_tensor_sums_whatever_the_batch_bounds(monkeypatch: pytest.MonkeyPatch,
+                                                                            chunk: int) -> None:
+    """Small tensors are summed in batches (running sums over one concatenation), large ones in pieces: the same
+    rows as the definition, for generated mixes of dtypes (word and byte views), sizes (empty, below and above the
+    batch bound) and huge words (the square sums wrap)."""
+    monkeypatch.setattr(state_check, "_CHUNK", chunk)
+    rng = random.Random(chunk)
+    for _ in range(60):
+        named = [(f"t{i}", _tensor(rng)) for i in range(rng.randint(0, 9))]
+        if rng.random() < 0.3:
+            named.insert(rng.randint(0, len(named)), ("empty", torch.zeros(0)))
+        if rng.random() < 0.3:
+            named.insert(rng.randint(0, len(named)), ("big", torch.full((7,), -2**31, dtype=torch.int32)))
+        assert torch.equal(digests(named), _one_by_one(named)), [(t.dtype, t.numel()) for _, t in named]
+
 @pytest.mark.parametrize("seed", range(3))
 def test_the_odd_ranks_are_those_outside_the_strict_largest_group_of_equal_digests(seed: int) -> None:
     rng = random.Random(seed)

@@ -147,7 +147,9 @@ def _memory_copies_after(policy: Policy, code: int | None) -> None:
 def _attempts(policy: Policy, nproc: int, run_dir: Path, overrides: Sequence[str], trap: SignalTrap,
               pool: PreloadPool, started_at: float | None = None) -> int:
     """The attempts; the last one's trace and picture once no other follows (a restarted attempt's would delay the
-    next one by a second or more: `lifecycle timeline` draws them from attempts/<N>/ at any time)."""
+    next one by a second or more: `lifecycle timeline` draws them from attempts/<N>/ at any time). A launcher stopped by
+    a signal (a preemption, a scheduler's requeue) neither draws nor reads every attempt for the run's goodput: it
+    leaves within the stop's grace, and says how to get both."""
     from lifecycle.recovery import decisions
 
     budget = decisions.Budget.of(policy)
@@ -157,7 +159,7 @@ def _attempts(policy: Policy, nproc: int, run_dir: Path, overrides: Sequence[str
         if trap.received and failed is not None:  # a stop between attempts: no next one; the failure stands
             print(f"lifecycle: {trap.received[0].name}: not starting another attempt (the last one failed, exit "
                   f"{failed})", file=sys.stderr, flush=True)
-            return _drawn(policy, run_dir, _last_goodput(run_dir, info, failed))
+            return _stopped(policy, run_dir, failed)
         refused = _refusal(policy, run_dir)
         if refused is not None:
             print(f"lifecycle: {refused}", file=sys.stderr, flush=True)
@@ -168,11 +170,14 @@ def _attempts(policy: Policy, nproc: int, run_dir: Path, overrides: Sequence[str
         budget.spend_in_place(started, int(info.get("attempt") or started))
         attempt = info.get("attempt") or started
         ends = budget.spent or stopped or decisions.final(code, policy)
-        _summarize(run_dir, info, goodput=bool(ends or trap.received))
+        stop = stopped or bool(trap.received)
+        _summarize(run_dir, info, goodput=bool(ends) and not stop)
         if trap.received and not ends:
             print(f"lifecycle: {trap.received[0].name} after attempt {attempt} failed (exit {code}): not "
                   f"restarting", file=sys.stderr, flush=True)
-        if ends or trap.received:
+        if stop:
+            return _stopped(policy, run_dir, code)
+        if ends:
             return _drawn(policy, run_dir, code)
         failed = code
         print(decisions.restart_line(policy, info, code, budget.spend_relaunch()), flush=True)
@@ -252,6 +257,16 @@ def _summarize(run_dir: Path, info: JsonDict, *, goodput: bool) -> None:
         print(f"lifecycle: cannot write {run_dir / rundir.SUMMARY} ({getattr(exc, 'strerror', None) or exc})",
               file=sys.stderr, flush=True)
     print(summary.render(info), flush=True)
+
+
+def _stopped(policy: Policy, run_dir: Path, code: int) -> int:
+    """The launcher was stopped (a preemption): no goodput over every attempt, no picture, both named; ``code``
+    back."""
+    print(f"goodput  `lifecycle goodput {run_dir}` (not read on a stop: the launcher leaves within its grace)",
+          flush=True)
+    if policy.run.timeline != "off":
+        print(f"timeline drawn later with `lifecycle timeline {run_dir}`", flush=True)
+    return code
 
 
 def _drawn(policy: Policy, run_dir: Path, code: int) -> int:

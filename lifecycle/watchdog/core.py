@@ -60,6 +60,9 @@ T = TypeVar("T")
 Refusal = Callable[["WatchedRun", "str | None", str], "str | None"]
 """Why a failure of a cause in a phase cannot be restarted in place (:func:`lifecycle.recovery.inprocess.refusal`)."""
 CONNECT_ATTEMPT_S = 1.0  # one attempt of the side channel's connect (retried until the init deadline)
+CONNECT_VALIDATE_S = 10.0
+"""The client's handshake once the port answers: on an overloaded node (ten SLURM jobs' ranks importing torch on two
+CPUs) a store took over 3 s, and a timed-out handshake is torch's C++ error line and stack in the rank's log."""
 STRAGGLER_EVERY_S = 1.0  # rank 0 compares the compute medians at most this often
 FRESHEN_MAX = 64  # dead or silent ranks whose events file is read to freshen their record
 FRESH_POLLS = 1.5  # a report waits at most this many polls for the running peers' records published after it
@@ -124,7 +127,7 @@ class Watchdog:
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=self.cfg.poll_interval_s + 2.0)
         for io in (self._io, self._io_main):  # let a connect attempt or a last call finish (bounded)
-            io.close(join_s=CONNECT_ATTEMPT_S + 0.5)
+            io.close(join_s=CONNECT_VALIDATE_S + 0.5)
         if self.progress.on_event in self.ctx.events.listeners:
             self.ctx.events.listeners.remove(self.progress.on_event)
 
@@ -139,8 +142,8 @@ class Watchdog:
                     raise TimeoutError(f"the rendezvous store at {store_address()} did not answer")
                 self._stop.wait(0.1)
                 continue
-            try:
-                store = connect(attempt_s)
+            try:  # the port answers: the handshake gets longer than a probe (its timeout is torch's C++ error line)
+                store = connect(min(CONNECT_VALIDATE_S, max(deadline - time.monotonic(), attempt_s)))
             except Exception:  # noqa: BLE001 - not up yet (rank 0 creates it inside init under mp.spawn)
                 if time.monotonic() >= deadline:
                     raise
@@ -156,9 +159,9 @@ class Watchdog:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            self._poke.clear()  # before the look: a wake during it makes the next wait return at once
             self._tick()
             self._poke.wait(self._sleep_s())
-            self._poke.clear()
         self._safe(lambda ch: ch.publish(self.rank, self.progress.record()), self._io)
 
     def _sleep_s(self) -> float:

@@ -233,11 +233,8 @@ def _last_goodput(run_dir: Path, info: JsonDict, code: int) -> int:
     from lifecycle.obs import summary
 
     summary.add_goodput(run_dir, info)
+    _write(run_dir, info)
     line = (info.get("goodput") or {}).get("line")
-    try:
-        summary.write(run_dir, info)
-    except (OSError, RunDirError):
-        pass  # the summary without it stays; the line is still printed
     if line:
         print(f"goodput  {line}", flush=True)
     return code
@@ -247,16 +244,22 @@ def _summarize(run_dir: Path, info: JsonDict, *, goodput: bool) -> None:
     """Write and print an attempt's summary; ``goodput``: with the run's goodput (the last attempt: it reads every
     attempt's events, which a relaunch does not wait for)."""
     from lifecycle.obs import summary
-    from lifecycle.rundir import safeio
 
     if goodput:
         summary.add_goodput(run_dir, info)
+    _write(run_dir, info)
+    print(summary.render(info), flush=True)
+
+
+def _write(run_dir: Path, info: JsonDict) -> None:
+    """``summary.json``; a full disk is said, and the verdict is still printed and its code returned."""
+    from lifecycle.obs import summary
+
     try:
         summary.write(run_dir, info)
-    except (OSError, safeio.RunDirError) as exc:  # a full disk: the verdict is still printed and its code returned
+    except (OSError, RunDirError) as exc:
         print(f"lifecycle: cannot write {run_dir / rundir.SUMMARY} ({getattr(exc, 'strerror', None) or exc})",
               file=sys.stderr, flush=True)
-    print(summary.render(info), flush=True)
 
 
 def _stopped(policy: Policy, run_dir: Path, code: int) -> int:

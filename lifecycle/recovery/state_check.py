@@ -100,6 +100,7 @@ def digests(named: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
 
     rows: list[torch.Tensor | None] = [None] * len(named)
     batch: list[tuple[int, torch.Tensor]] = []
+    size = 0  # words in the batch
     for i, (_, t) in enumerate(named):
         raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
         words = raw.view(torch.int32) if raw.numel() % 4 == 0 else raw
@@ -107,10 +108,11 @@ def digests(named: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
             rows[i] = _pieces(words)
             continue
         if batch and (batch[0][1].dtype != words.dtype or batch[0][1].device != words.device
-                      or sum(w.numel() for _, w in batch) + words.numel() > _CHUNK):
+                      or size + words.numel() > _CHUNK):
             _batched(batch, rows)
-            batch = []
+            batch, size = [], 0
         batch.append((i, words))
+        size += words.numel()
     if batch:
         _batched(batch, rows)
     if not rows:

@@ -343,6 +343,7 @@ class Watchdog:
         def again(ranks: list[int]) -> dict[int, JsonDict | None] | None:
             return self._safe(lambda c: c.records(ranks), ch)
 
+        marker = causes.from_marker(self.ctx.run_dir)  # written once by the launcher; read again below if not yet there
         if read is not None and not cause.urgent and cause.kind == "hang":
             # a hang's culprits are read from where the others wait: every running peer's record after the stall
             read = fresh_records(read, again, self.rank, self.cfg.poll_interval_s)
@@ -351,9 +352,8 @@ class Watchdog:
             # them once they publish after it (each does at once on its own failure path, a peer that still moves
             # within a poll): up to half a poll for those, never a fixed wait on the way to the relaunch. The rank
             # that failed does not wait at all: its peers learn of it as it leaves, and report their own view.
-            known = causes.from_marker(self.ctx.run_dir)
-            gone = {cause.origin, *cause.dead, *(known.dead if known is not None else ())}
-            since = cause.t or (known.t if known is not None else None)
+            gone = {cause.origin, *cause.dead, *(marker.dead if marker is not None else ())}
+            since = cause.t or (marker.t if marker is not None else None)
             read = fresh_records(read, again, self.rank, self.cfg.poll_interval_s,
                                  bound_s=min(self.cfg.poll_interval_s, 0.5), every_s=0.02, skip=gone, since=since)
         records: dict[int, JsonDict | None] = read or {}
@@ -363,7 +363,7 @@ class Watchdog:
             unreachable = f"the store {self.store_address} does not answer ({why})"
         records[self.rank] = self.progress.record()
         dead = dict(cause.dead)
-        marker = causes.from_marker(self.ctx.run_dir)
+        marker = marker or causes.from_marker(self.ctx.run_dir)
         if marker is not None:  # a rank that left through its own failure path or watchdog is not "dead"
             dead.update({r: how for r, how in marker.dead.items()
                          if (records.get(r) or {}).get("state", "running") == "running"})

@@ -94,8 +94,12 @@ def test_a_launcher_sigterm_waits_for_a_slow_save_and_a_killed_launcher_leaves_n
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, out[-3000:]
     assert "SIGTERM: the ranks save and stop (up to 25s, checkpoint.grace_s + teardown.deadline_s)" in out, out[-3000:]
-    saved = json.loads((run_dir / "summary.json").read_text())["stop_step"]
+    stopped = json.loads((run_dir / "summary.json").read_text())
+    saved = stopped["stop_step"]
     assert saved and ckptdir.read_tracker(run_dir / "checkpoints").name == ckptdir.iter_name(saved), out[-3000:]
+    # A stopped launcher leaves within its grace: no read of every attempt for the goodput, no picture; it names both
+    assert "goodput" not in stopped and not (run_dir / "timeline.png").exists(), out[-3000:]
+    assert f"`lifecycle goodput {run_dir}`" in out and f"`lifecycle timeline {run_dir}`" in out, out[-3000:]
 
     proc = _start(run_dir)
     try:

@@ -37,7 +37,8 @@ def test_a_crash_in_attempt_1_restarts_resumes_with_the_learned_deadline_and_fin
         assert restored[0]["seconds"] < 600 and "restored from iter_0000005 (learned in attempt 1)" in \
             restored[0]["how"], restored
     assert (run.run_dir / "checkpoints" / "iter_0000010" / "lifecycle_learned.json").is_file()
-    _assert_goodput(summary["goodput"], attempts=2, lost_at_least=2)  # steps 6 and 7 ran twice (resumed from 5)
+    # resumed from 5: step 6 ran twice (and 7, when rank 0 got that far before the launcher's shutdown reached it)
+    _assert_goodput(summary["goodput"], attempts=2, lost_at_least=1)
     assert summary["goodput"]["steps"]["productive"] == 12 and "goodput  " in run.output
 
 

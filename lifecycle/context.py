@@ -76,6 +76,10 @@ class WatchdogHandle(Protocol):
         """A phase failed with ``exc``: tell the peers, report who is stuck; the error the run ends with."""
         ...
 
+    def wake(self) -> None:
+        """Look for a cause now, not at the next poll (any thread)."""
+        ...
+
     def stop(self) -> None: ...
 
 

@@ -12,6 +12,9 @@ event for :data:`QUIET_S` seconds since the signal, it leaves: exit 0, as a stop
 rank-failed code when the launcher is taking the job down after a failure (its marker). A rank that moves on
 (events, or the train phase) is left to the flag, which keeps the ranks together.
 
+Every signal read there also wakes the rank's watchdog (it looks for the launcher's marker now, not at its next
+poll): a rank blocked in a collective that a dead peer broke elsewhere in the ring is named at once.
+
 Only in processes lifecycle owns (``lifecycle run``, torchrun or srun ranks): a trainer under ``attach()`` may use
 the one wakeup descriptor a process has (asyncio does).
 """
@@ -82,6 +85,7 @@ class BlockedStop:
                     for signum in read.recv(512):
                         if signum in self._signals and pending is None:
                             pending = (int(time.time() * 1e6), signum)
+                self._wake_watchdog()
             if pending is None:
                 continue
             with self._lock:
@@ -93,6 +97,15 @@ class BlockedStop:
             quiet_since = max(pending[0], ctx.events.last_t)
             if time.time() * 1e6 - quiet_since >= QUIET_S * 1e6:
                 self._leave(ctx, orchestrator.current, signal.Signals(pending[1]).name)
+
+    def _wake_watchdog(self) -> None:
+        """A signal came: the rank's watchdog looks now (the local launcher signals the ranks right after it wrote
+        its marker; a main thread blocked in a collective runs no handler until the collective returns)."""
+        with self._lock:
+            ctx = self._ctx
+        watchdog = ctx.watchdog if ctx is not None else None
+        if watchdog is not None:
+            watchdog.wake()
 
     @staticmethod
     def _leave(ctx: RunContext, phase: str | None, name: str) -> None:

@@ -126,16 +126,20 @@ class EventLog:
             self._file = None
 
 
-def read_events(run_dir: Path, problems: list[str] | None = None) -> dict[int, list[dict[str, Any]]]:
+def read_events(run_dir: Path, problems: list[str] | None = None, *,
+                skip: tuple[str, ...] = ()) -> dict[int, list[dict[str, Any]]]:
     """All ranks' events of a run, by rank. Never raises on bad content.
 
     A line that is not a JSON object (a torn last line, binary junk, invalid UTF-8, a number of 5,000
     digits) is skipped, and so is a ``rank_<R>.jsonl`` that is not a regular file or whose R is not a
-    rank. When ``problems`` is given, one line per file with skipped content is appended to it.
+    rank. When ``problems`` is given, one line per file with skipped content is appended to it. ``skip``: event
+    names left unread (a line that names one is not parsed: a reader that needs none of the per-step collectives
+    reads a tenth of the lines).
     """
     out: dict[int, list[dict[str, Any]]] = {}
+    needles = tuple(f'"name": {json.dumps(n)}'.encode() for n in skip)
     for rank, path in rank_files(run_dir, problems):
-        events, bad = _read_lines(path, problems)
+        events, bad = _read_lines(path, problems, needles)
         if bad:
             _note(problems, f"{path.name}: {bad} malformed line{'s' if bad > 1 else ''} skipped")
         out[rank] = events
@@ -147,30 +151,45 @@ def _rank_of(path: Path) -> int | None:
     return int(digits) if digits.isascii() and digits.isdigit() and len(digits) <= 10 else None
 
 
-def _read_lines(path: Path, problems: list[str] | None) -> tuple[list[dict[str, Any]], int]:
+def _read_lines(path: Path, problems: list[str] | None,
+                needles: tuple[bytes, ...] = ()) -> tuple[list[dict[str, Any]], int]:
     bad = [0]
-    events = list(iter_file(path, problems, bad))
+    events = list(iter_file(path, problems, bad, needles))
     return events, bad[0]
 
 
-def iter_file(path: Path, problems: list[str] | None = None, bad: list[int] | None = None) -> Iterator[dict[str, Any]]:
+def iter_file(path: Path, problems: list[str] | None = None, bad: list[int] | None = None,
+              needles: tuple[bytes, ...] = ()) -> Iterator[dict[str, Any]]:
     """The JSON objects of one event file, one line at a time (memory: one line). Lines that are not one are
-    counted in ``bad[0]``; a file that cannot be read (a FIFO, a read error) is noted in ``problems``."""
+    counted in ``bad[0]``; a file that cannot be read (a FIFO, a read error) is noted in ``problems``. A line that
+    holds one of ``needles`` (``"name": "<event name>"`` as the event log writes it) is left unparsed, unless no
+    event follows it (a rank cut inside such a span: its last moment is still read)."""
+    held: bytes | None = None  # the last line left unparsed since the last event
     try:
         with safeio.open_regular(path) as f:  # a FIFO named like an event file would block a plain open()
             for raw in f:
-                try:
-                    event = json.loads(raw.decode("utf-8"))
-                except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-                    event = None
+                if needles and any(n in raw for n in needles):
+                    held = raw
+                    continue
+                event = _parse(raw)
                 if isinstance(event, dict):
+                    held = None
                     yield event
                 elif raw.strip() and bad is not None:
                     bad[0] += 1
+        if held is not None and isinstance(event := _parse(held), dict):
+            yield event
     except safeio.RunDirError as exc:
         _note(problems, f"{path.name}: skipped: {str(exc).split(': ', 1)[-1].split(';')[0]}")
     except OSError as exc:
         _note(problems, f"{path.name}: cannot read ({exc.strerror or exc}); the rest of the file skipped")
+
+
+def _parse(raw: bytes) -> Any:
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        return None
 
 
 def rank_files(run_dir: Path, problems: list[str] | None = None) -> list[tuple[int, Path]]:

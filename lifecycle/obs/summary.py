@@ -271,12 +271,17 @@ def _earlier(run_dir: Path, restarts: list[dict[str, Any]]) -> list[dict[str, An
     return [merged[n] for n in sorted(merged)]
 
 
+PER_STEP_OPS = ("grad_reduce", "loss_all_reduce", "stop_flag")
+"""The collectives every step records (three quarters of a long attempt's events): no part of the summary reads
+them, so it does not parse them."""
+
+
 def build(run_dir: Path, launch: Any | None = None, *, goodput: bool = True) -> dict[str, Any]:
     """Aggregate a run directory's events into the summary (a failed run gets one too): the last attempt's, with the
     attempts that restarted in place in the same processes before it (``in_process_restarts``). ``goodput``: with the
     run's goodput over every attempt (it reads them all: the launcher adds it with :func:`add_goodput` once no other
     attempt follows, not on the way to a relaunch)."""
-    every = {r: valid_events(evs) for r, evs in read_events(run_dir).items()}
+    every = {r: valid_events(evs) for r, evs in read_events(run_dir, skip=PER_STEP_OPS).items()}
     restarted = in_process_restarts(every.get(0, []))
     events = {r: current_attempt(evs) for r, evs in every.items()}
     spans = {r: rank_spans(r, evs) for r, evs in events.items()}

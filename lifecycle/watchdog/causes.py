@@ -42,6 +42,8 @@ class Cause(NamedTuple):
     phase: str | None
     dead: dict[int, str] = {}
     hint: list[int] = []
+    t: float | None = None
+    """When the failure became known (the alarm's or the launcher's marker's time), where one says."""
 
     @property
     def urgent(self) -> bool:
@@ -77,7 +79,7 @@ def from_alarm(ch: SideChannel, rank: int) -> Cause | None:
         return None
     dead = {int(r): how for r, how in (info.get("dead") or {}).items()}
     return Cause(info["cause"], info["detail"], info.get("rank"), info.get("phase"), dead,
-                 [int(r) for r in info.get("hint") or []])
+                 [int(r) for r in info.get("hint") or []], _time(info.get("t")))
 
 
 def from_marker(run_dir: Path) -> Cause | None:
@@ -89,7 +91,11 @@ def from_marker(run_dir: Path) -> Cause | None:
     if rank is None:
         return Cause("dead", f"the launcher is stopping the job: {info.get('reason', '?')}", None, None)
     return Cause("dead", f"rank {rank} ended ({how}); the launcher is stopping the job", int(rank),
-                 info.get("phase"), {int(rank): how})
+                 info.get("phase"), {int(rank): how}, t=_time(info.get("t")))
+
+
+def _time(value: object) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
 
 class Heartbeats:

@@ -37,7 +37,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, TypeVar
 
 import lifecycle.rundir as rundir
@@ -84,6 +84,12 @@ class Watchdog:
         self.restart_request: Cause | None = None
         self.grace_s = max(1.0, 2 * self.cfg.poll_interval_s)
         self._stop = threading.Event()
+        self._poke = threading.Event()  # look now: a signal came (the launcher's marker may be there), or stop
+        self.quick = _own_launcher()
+        """Started by `lifecycle run`, whose launcher writes its marker, signals the ranks and gives them a grace: a
+        failure's reports do not wait a fixed half poll, and a signal wakes the watchdog. Under torchrun or srun
+        their agent takes the group down as the first rank leaves (SIGTERM, which a trainer's own exit path may not
+        survive once lifecycle has left): there the reports keep their half-poll wait."""
         self._report_lock = threading.Lock()
         self._restart_lock = threading.Lock()
         self._main_lock = threading.Lock()
@@ -122,6 +128,7 @@ class Watchdog:
         """The run returned: publish ``exited`` (peers must not take this rank for dead) and stop."""
         self.progress.set_state("exited" if not self.failing else "failed", self.progress.error)
         self._stop.set()
+        self._poke.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=self.cfg.poll_interval_s + 2.0)
         for io in (self._io, self._io_main):  # let a connect attempt or a last call finish (bounded)
@@ -149,10 +156,19 @@ class Watchdog:
             return None if store is None else SideChannel(store, self.ctx.policy.run.id, self.ctx.comms.restart_round)
         return None
 
+    def wake(self) -> None:
+        """Look now instead of at the next poll (any thread; a signal handler's thread): the local launcher
+        writes its marker before it signals the ranks, and a rank whose main thread sits in a collective that a
+        dead peer broke elsewhere learns of it here at once, not a poll later. Under `lifecycle run` only
+        (:attr:`quick`)."""
+        if self.quick:
+            self._poke.set()
+
     def _run(self) -> None:
         while not self._stop.is_set():
+            self._poke.clear()  # before the look: a wake during it makes the next wait return at once
             self._tick()
-            self._stop.wait(self._sleep_s())
+            self._poke.wait(self._sleep_s())
         self._safe(lambda ch: ch.publish(self.rank, self.progress.record()), self._io)
 
     def _sleep_s(self) -> float:
@@ -182,6 +198,8 @@ class Watchdog:
             cause = (self._safe(lambda c: causes.from_alarm(c, self.rank), io)
                      or self._safe(self._beats.check, io) or self._safe(self._crossed, io))
         if cause is not None:
+            if not cause.urgent and self.quick:  # where this rank waits now: the peers' failure reports wait for it
+                self._safe(self._publish_and_beat, io)
             self.fire(cause, self._io)
         elif self._stragglers is not None and time.monotonic() >= self._next_straggler_check:
             self._next_straggler_check = time.monotonic() + STRAGGLER_EVERY_S
@@ -325,17 +343,32 @@ class Watchdog:
         return d
 
     def _diagnose(self, cause: Cause, ch: BoundedChannel[SideChannel]) -> diagnosis.Diagnosis:
-        if not cause.urgent and cause.kind != "hang":
-            # Peers that still move publish once per poll: give them half of one to show where the failure found
-            # them (a failed or dead rank is the culprit whatever they show; its exit is not held back longer).
-            time.sleep(min(self.cfg.poll_interval_s, 0.5))
+        half = min(self.cfg.poll_interval_s, 0.5)
+        if not cause.urgent and cause.kind != "hang" and not self.quick:
+            # Under torchrun or srun: peers that still move publish once per poll; give them half of one to show
+            # where the failure found them (a failed or dead rank is the culprit whatever they show).
+            time.sleep(half)
         wanted = self._ranks_to_read(cause)
         ch.wait_connected(ch.op_timeout_s)  # a report early in the run may come while the client still connects
         read = self._safe(lambda c: c.records(wanted), ch)
+
+        def again(ranks: list[int]) -> dict[int, JsonDict | None] | None:
+            return self._safe(lambda c: c.records(ranks), ch)
+
+        marker = causes.from_marker(self.ctx.run_dir)  # written once by the launcher; read again below if not yet there
         if read is not None and not cause.urgent and cause.kind == "hang":
             # a hang's culprits are read from where the others wait: every running peer's record after the stall
-            read = fresh_records(read, lambda ranks: self._safe(lambda c: c.records(ranks), ch), self.rank,
-                                 self.cfg.poll_interval_s)
+            read = fresh_records(read, again, self.rank, self.cfg.poll_interval_s)
+        elif read is not None and not cause.urgent and cause.origin != self.rank and self.quick:
+            # A failed or dead rank is the culprit whatever the others show; they show where the failure found
+            # them once they publish after it (each does at once on its own failure path, a peer that still moves
+            # within a poll, or at once when a signal wakes its watchdog): up to half a poll for those, never a
+            # fixed wait on the way to the relaunch. Dead ranks are not waited for, nor by the rank that failed: its
+            # peers learn of it as it leaves, and report their own view.
+            gone = {cause.origin, *cause.dead, *(marker.dead if marker is not None else ())}
+            since = cause.t or (marker.t if marker is not None else None)
+            read = fresh_records(read, again, self.rank, self.cfg.poll_interval_s, bound_s=half, every_s=0.02,
+                                 skip=gone, since=since)
         records: dict[int, JsonDict | None] = read or {}
         unreachable = None
         if read is None and not ch.absent:
@@ -343,7 +376,7 @@ class Watchdog:
             unreachable = f"the store {self.store_address} does not answer ({why})"
         records[self.rank] = self.progress.record()
         dead = dict(cause.dead)
-        marker = causes.from_marker(self.ctx.run_dir)
+        marker = marker or causes.from_marker(self.ctx.run_dir)
         if marker is not None:  # a rank that left through its own failure path or watchdog is not "dead"
             dead.update({r: how for r, how in marker.dead.items()
                          if (records.get(r) or {}).get("state", "running") == "running"})
@@ -457,18 +490,22 @@ class Watchdog:
 
 
 def fresh_records(first: dict[int, JsonDict | None], read: Callable[[list[int]], dict[int, JsonDict | None] | None],
-                  me: int, poll_s: float) -> dict[int, JsonDict | None]:
+                  me: int, poll_s: float, *, bound_s: float | None = None, every_s: float | None = None,
+                  skip: Collection[int | None] = (), since: float | None = None) -> dict[int, JsonDict | None]:
     """The records as published after a cause reached rank ``me``: each running peer publishes once per poll, and
     a record written before the stall was seen (a peer shown in the op before the one it now waits in) would name
-    the wrong rank or nobody. ``read`` is re-called for the peers still to publish (every quarter poll) until each
-    has, at most ``FRESH_POLLS`` polls; a peer that does not (frozen, cut off) keeps its last record — its age
-    says so. ``read`` returning None (the store does not answer) ends the wait."""
+    the wrong rank or nobody. ``read`` is re-called for the peers still to publish (every ``every_s``, a quarter
+    poll by default) until each has, at most ``bound_s`` (``FRESH_POLLS`` polls); a peer that does not (frozen,
+    cut off) keeps its last record — its age says so. Ranks in ``skip`` (dead ones) are not waited for, nor those
+    whose first record was published at ``since`` (when the failure became known) or later. ``read`` returning None
+    (the store does not answer) ends the wait."""
     seen = {r: rec.get("t") for r, rec in first.items()
-            if r != me and rec is not None and rec.get("state") == "running"}
+            if r != me and r not in skip and rec is not None and rec.get("state") == "running"
+            and not (since is not None and isinstance(rec.get("t"), int | float) and rec["t"] >= since)}
     records = dict(first)
-    end = time.monotonic() + FRESH_POLLS * poll_s
+    end = time.monotonic() + (FRESH_POLLS * poll_s if bound_s is None else bound_s)
     while seen and time.monotonic() < end:
-        time.sleep(poll_s / 4)
+        time.sleep(poll_s / 4 if every_s is None else every_s)
         again = read(sorted(seen))
         if again is None:
             break
@@ -478,6 +515,14 @@ def fresh_records(first: dict[int, JsonDict | None], read: Callable[[list[int]],
                 if rec.get("t") != seen.get(r) or rec.get("state") != "running":
                     seen.pop(r, None)
     return records
+
+
+def _own_launcher() -> bool:
+    """This rank was started by ``lifecycle run`` (its launcher writes the shutdown marker, then signals the ranks
+    and waits a grace for them), not by torchrun or srun."""
+    from lifecycle.launch.parent import ENV_LAUNCHER_PID
+
+    return bool(os.environ.get(ENV_LAUNCHER_PID))
 
 
 def abort_and_exit(ctx: WatchedRun, code: int, *, by: str = "watchdog") -> None:

@@ -100,3 +100,58 @@ def test_blame_follows_the_watchdogs_diagnosis_not_the_first_rank_to_exit(tmp_pa
     assert got is not None and got["ranks"] == [1] and got["source"] == "hang_report.json"
     (tmp_path / "hang_report.json").write_text(_json.dumps({"cause": "usage", "culprits": [2]}))
     assert blame(tmp_path, s)["source"] == "launcher"  # type: ignore[index]  # a config error is not a hang
+
+
+def test_the_summary_leaves_the_per_step_collectives_unread_and_says_the_same(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Generated runs through the real EventLog (steps with their gradient, loss and stop-flag collectives, a save,
+    ranks cut anywhere, inside a collective too): the summary that does not parse the per-step collectives equals the
+    one that parses every line."""
+    import random
+
+    from lifecycle.obs.events import EventLog
+
+    rng = random.Random(7)
+    for case in range(30):
+        run = tmp_path / str(case)
+        ranks = rng.randint(1, 3)
+        for rank in range(ranks):
+            log = EventLog(run, rank, rank)
+            log.phase = "train"
+            log.emit("begin", "phase:train")
+            steps = rng.randint(0, 12)
+            cut = rng.choice([None, rng.randint(0, 6 * steps + 1)])
+            n = 0
+
+            def emit(kind: str, name: str, **kw: object) -> bool:
+                nonlocal n
+                n += 1
+                if cut is not None and n > cut:
+                    return False
+                log.emit(kind, name, **kw)
+                return True
+
+            ok = True
+            for step in range(1, steps + 1):
+                log.step = step
+                ok = (emit("begin", "step") and emit("begin", "grad_reduce", group="dp")
+                      and emit("end", "grad_reduce", group="dp", dur_us=5, outcome="ok")
+                      and emit("begin", "loss_all_reduce", group="dp")
+                      and emit("end", "loss_all_reduce", group="dp", dur_us=3, outcome="ok")
+                      and emit("end", "step", dur_us=50, outcome="ok", loss=1.0 / step)
+                      and emit("begin", "stop_flag", group="world") and emit("end", "stop_flag", group="world"))
+                if ok and step % 4 == 0:
+                    ok = (emit("begin", "save", path=f"/ck/{step}", reason="periodic")
+                          and emit("end", "save", path=f"/ck/{step}", outcome="ok"))
+                if not ok:
+                    break
+            if ok:
+                log.emit("end", "phase:train")
+                log.emit("instant", "exit", exit_code=0, step=steps)
+            log.close()
+        launch = LaunchResult(exit_code=0, first_failure=None, how=None, phase=None,
+                              per_rank=dict.fromkeys(range(ranks), 0), wall_s=1.0)
+        skipping = summary.build(run, launch, goodput=False)
+        with monkeypatch.context() as m:
+            m.setattr(summary, "PER_STEP_OPS", ())
+            every_line = summary.build(run, launch, goodput=False)
+        assert skipping == every_line, case

@@ -322,6 +322,37 @@ def test_a_report_reads_the_records_peers_publish_after_the_stall_not_before(cha
     assert time.monotonic() - t0 < 0.3
 
 
+
+def test_a_failure_report_waits_only_for_peers_that_did_not_publish_since_the_failure(channel: SideChannel) -> None:
+    """A dead or failed rank is the culprit whatever the others show: the report waits (up to its bound) only for
+    the running peers whose records are older than the failure; the dead rank, and a peer whose record came after
+    the failure became known, are not waited for."""
+    from lifecycle.watchdog.core import fresh_records
+
+    def rec(rank: int, t: float) -> dict[str, Any]:
+        return {"rank": rank, "state": "running", "op": ["step", "world", 5, 3], "t": t}
+
+    now = time.time()
+    channel.announce(1, rec(1, now - 5.0))  # the dead rank: its last record, never again
+    channel.announce(2, rec(2, now + 0.01))  # published after the failure (its watchdog woke on the signal)
+    first = channel.records([1, 2])
+    t0 = time.monotonic()
+    records = fresh_records(first, channel.records, 0, 1.0, bound_s=0.5, every_s=0.02, skip={1}, since=now)
+    assert time.monotonic() - t0 < 0.1 and records[2]["t"] == now + 0.01
+    # without `since`, rank 2's record counts as old: the wait runs to its bound (nothing newer comes)
+    t0 = time.monotonic()
+    fresh_records(first, channel.records, 0, 1.0, bound_s=0.3, every_s=0.02, skip={1})
+    assert 0.3 <= time.monotonic() - t0 < 0.6
+    # a peer that publishes after the failure ends the wait when it does
+    channel.publish(2, rec(2, now - 1.0))
+    later = threading.Timer(0.1, lambda: channel.publish(2, rec(2, time.time())))
+    later.start()
+    t0 = time.monotonic()
+    records = fresh_records(channel.records([1, 2]), channel.records, 0, 1.0, bound_s=0.5, every_s=0.02, skip={1},
+                            since=now)
+    later.join()
+    assert 0.1 <= time.monotonic() - t0 < 0.3 and records[2]["t"] >= now
+
 # ---- sequence check on a HashStore shared by threads ------------------------------------------------
 def _ctx(store: Any, rank: int, counts: dict[str, int], tmp: Path) -> Any:
     from lifecycle.context import RunContext

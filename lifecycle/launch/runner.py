@@ -47,21 +47,29 @@ def run(overrides: Sequence[str], *, nproc: int = 4, config_dir: str | None = No
     launcher's job, its rendezvous (:mod:`lifecycle.launch.rendezvous`: rank 0's port, exit 2; a rank 0 that never
     comes, exit 3); as the local launcher, ``nproc`` against what this machine runs (:mod:`lifecycle.launch.capacity`,
     exit 2 unless ``oversubscribe``)."""
-    from lifecycle.launch import capacity, rendezvous
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return _run_local(overrides, nproc=nproc, config_dir=config_dir, config_name=config_name,
+                          oversubscribe=oversubscribe)
+    from lifecycle.launch import rendezvous
     from lifecycle.machine.preflight import check_rendezvous_env, rank_env
     from lifecycle.obs import sinks
     from lifecycle.policy.load import load
 
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        from lifecycle.launch.parent import die_with_launcher
+    from lifecycle.launch.parent import die_with_launcher
 
-        die_with_launcher()
-        rank = rank_env()[0]
-        check_rendezvous_env()
-        policy = load(overrides, config_dir=config_dir, config_name=config_name).policy
-        sinks.check(sinks.from_env())
-        rendezvous.check(rank, policy.deadline("init"))
-        return _run_as_rank(policy, overrides)
+    die_with_launcher()
+    rank = rank_env()[0]
+    check_rendezvous_env()
+    policy = load(overrides, config_dir=config_dir, config_name=config_name).policy
+    sinks.check(sinks.from_env())
+    rendezvous.check(rank, policy.deadline("init"))
+    return _run_as_rank(policy, overrides)
+
+
+def _run_local(overrides: Sequence[str], *, nproc: int, config_dir: str | None, config_name: str,
+               oversubscribe: bool) -> int:
+    """``lifecycle run`` as the local launcher: the ranks' preload process starts first (its imports are the
+    launch's longest part), then the policy is composed and checked."""
     if nproc < 1:
         raise UsageError(f"--nproc must be >= 1 (got {nproc})")
     started_at = time.time()
@@ -71,6 +79,10 @@ def run(overrides: Sequence[str], *, nproc: int = 4, config_dir: str | None = No
     pool = PreloadPool()
     try:
         _prestart(pool)
+        from lifecycle.launch import capacity
+        from lifecycle.obs import sinks
+        from lifecycle.policy.load import load
+
         loaded = load(overrides, config_dir=config_dir, config_name=config_name)
         sinks.check(sinks.from_env())
         capacity.check_nproc(loaded.policy, nproc, oversubscribe=oversubscribe)

@@ -92,7 +92,7 @@ class Zygote:
         self._codes: dict[int, int] = {}
         self._pids: dict[int, int] = {}
         self._errors: list[str] = []
-        self._ready = False
+        self._asked, self._done = 1, 0  # import requests sent (the start's own included), and their "ready" lines
         self._gone = False
         full = {**os.environ, **env, launcher_env: str(os.getpid())}
         self.proc = subprocess.Popen([sys.executable, "-m", __name__, str(run_dir), *modules], env=full,
@@ -107,7 +107,7 @@ class Zygote:
             kind, _, rest = raw.decode(errors="replace").strip().partition(" ")
             with self.changed:
                 if kind == "ready":
-                    self._ready = True
+                    self._done += 1
                 elif kind == "pid":
                     rank, pid = rest.split()
                     self._pids[int(rank)] = int(pid)
@@ -122,13 +122,16 @@ class Zygote:
             self._gone = True
             self.changed.notify_all()
 
+    def _ready(self) -> bool:
+        return self._done >= self._asked
+
     def wait_ready(self, timeout_s: float) -> str | None:
         """None when the imports are done; else why not (the process is stopped then)."""
         deadline = time.monotonic() + timeout_s
         with self.changed:
-            while not self._ready and not self._gone and time.monotonic() < deadline:
+            while not self._ready() and not self._gone and time.monotonic() < deadline:
                 self.changed.wait(deadline - time.monotonic())
-            if self._ready:
+            if self._ready():
                 return None
             why = self._errors[-1] if self._errors else ("it exited" if self._gone else f"not ready in {timeout_s:g}s")
         self.close(kill=True)
@@ -140,7 +143,7 @@ class Zygote:
             return
         assert self.proc.stdin is not None
         with self.changed:
-            self._ready = False
+            self._asked += 1  # the "ready" of an import still under way is not this one's
         try:
             self.proc.stdin.write(json.dumps({"import": list(modules)}).encode() + b"\n")
             self.proc.stdin.flush()

@@ -51,11 +51,10 @@ def run(overrides: Sequence[str], *, nproc: int = 4, config_dir: str | None = No
         return _run_local(overrides, nproc=nproc, config_dir=config_dir, config_name=config_name,
                           oversubscribe=oversubscribe)
     from lifecycle.launch import rendezvous
+    from lifecycle.launch.parent import die_with_launcher
     from lifecycle.machine.preflight import check_rendezvous_env, rank_env
     from lifecycle.obs import sinks
     from lifecycle.policy.load import load
-
-    from lifecycle.launch.parent import die_with_launcher
 
     die_with_launcher()
     rank = rank_env()[0]

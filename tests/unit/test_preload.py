@@ -132,3 +132,19 @@ def test_a_preload_process_started_early_imports_what_the_launch_adds_and_forks_
         assert other is not None and other.proc.pid != pid
     finally:
         pool.close(kill=True)
+
+
+def test_ready_means_every_import_asked_for_not_the_first_one(tmp_path: Path) -> None:
+    """The launch asks for more modules while the early imports still run: the "ready" of those early imports does not
+    answer for the later ones (the launcher's wait, and its timeout, cover both)."""
+    (tmp_path / "slow_first.py").write_text("import time\ntime.sleep(0.5)\n")
+    done = tmp_path / "second.done"
+    (tmp_path / "slow_second.py").write_text(f"import pathlib, time\ntime.sleep(0.5)\npathlib.Path({str(done)!r}).touch()\n")
+    z = preload.Zygote(tmp_path, ("slow_first",), {"PYTHONUNBUFFERED": "1", "PYTHONPATH": str(tmp_path)},
+                       ENV_LAUNCHER_PID)
+    try:
+        z.extend(("slow_second",))  # asked for while slow_first still imports
+        assert z.wait_ready(30) is None
+        assert done.exists()  # the second import had finished when the wait returned
+    finally:
+        z.close()

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from lifecycle.distributed.ranks import fmt_ranks as rank_ranges
 from lifecycle.launch.local import LaunchResult
@@ -102,6 +104,21 @@ def test_blame_follows_the_watchdogs_diagnosis_not_the_first_rank_to_exit(tmp_pa
     assert blame(tmp_path, s)["source"] == "launcher"  # type: ignore[index]  # a config error is not a hang
 
 
+def _cut_after(log: Any, cut: int | None) -> Callable[..., bool]:
+    """``log.emit`` until ``cut`` events were written (a rank that died there); then it writes nothing (False)."""
+    n = 0
+
+    def emit(kind: str, name: str, **kw: object) -> bool:
+        nonlocal n
+        n += 1
+        if cut is not None and n > cut:
+            return False
+        log.emit(kind, name, **kw)
+        return True
+
+    return emit
+
+
 def test_the_summary_leaves_the_per_step_collectives_unread_and_says_the_same(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Generated runs through the real EventLog (steps with their gradient, loss and stop-flag collectives, a save,
     ranks cut anywhere, inside a collective too): the summary that does not parse the per-step collectives equals the
@@ -119,17 +136,7 @@ def test_the_summary_leaves_the_per_step_collectives_unread_and_says_the_same(tm
             log.phase = "train"
             log.emit("begin", "phase:train")
             steps = rng.randint(0, 12)
-            cut = rng.choice([None, rng.randint(0, 6 * steps + 1)])
-            n = 0
-
-            def emit(kind: str, name: str, **kw: object) -> bool:
-                nonlocal n
-                n += 1
-                if cut is not None and n > cut:
-                    return False
-                log.emit(kind, name, **kw)
-                return True
-
+            emit = _cut_after(log, rng.choice([None, rng.randint(0, 6 * steps + 1)]))
             ok = True
             for step in range(1, steps + 1):
                 log.step = step

@@ -102,6 +102,11 @@ class SyntheticStep:
         assert self.model is not None
         return [("dp", list(self.model.named_parameters()))]
 
+    def replicas_in(self, ctx: StepContext, copy: dict[str, Any]) -> list[tuple[str, list[tuple[str, torch.Tensor]]]]:
+        """:meth:`replicas` as a memory copy (:meth:`memory_state`) holds them. Local."""
+        assert self.model is not None
+        return [("dp", [(name, copy["model"][name]) for name, _ in self.model.named_parameters()])]
+
     def memory_state(self, ctx: StepContext) -> dict[str, Any]:
         """This rank's state (the model; the data comes from the step number) as CPU copies. Local."""
         assert self.model is not None

@@ -34,10 +34,12 @@ from lifecycle.recovery import copies as files
 from lifecycle.recovery import rejections
 from lifecycle.recovery.state_check import (
     Diverged,
+    ReplicaPlan,
     ReplicaRows,
     compare_rows,
     first_nonfinite,
     refuse_nonfinite,
+    replica_plan,
     replica_rows,
     replica_verdict,
 )
@@ -188,8 +190,8 @@ class MemoryTier:
     # ---- copies ------------------------------------------------------------------------------------------------
     def save(self, ctx: RunContext, step: int) -> None:
         """Take this rank's copy of ``step`` and hand it to the background thread (every rank, at the same step
-        boundary: the exchange with the buddy pairs every rank). On the training thread only the copy itself and the
-        replicas' local digests; the checks (finite, replicas alike) run on the background thread, before anything
+        boundary: the exchange with the buddy pairs every rank). On the training thread only the copy itself (and the
+        replicas' local digests where the handler cannot name the copy's tensors: ``replicas_in``); the checks (finite, replicas alike) run on the background thread, before anything
         is written, and a refused copy fails this rank at the next step boundary (:meth:`poll`)."""
 
         self.finish(ctx)
@@ -199,18 +201,22 @@ class MemoryTier:
             return
         group = self._group(ctx)
         ck = ctx.policy.checkpoint
+        handler = ctx.require_step_handler()
         with ctx.events.span("memory_save", step=step):
             state = take(ctx)
-            rows = replica_rows(ctx, ctx.require_step_handler()) if ck.check_replicas else None
+            # the replicas' digests of the copy on the background thread where the handler names its tensors there
+            plan = replica_plan(ctx, handler, state) if ck.check_replicas else None
+            rows = replica_rows(ctx, handler) if ck.check_replicas and plan is None else None
         deadline = ctx.deadline("checkpoint")
         self.thread = threading.Thread(target=self._write,
                                        args=(step, state, group, deadline, ctx.progress.last_loss, ck.check_finite,
-                                             rows),
+                                             rows, plan),
                                        name=f"lifecycle-memory-{step}", daemon=True)
         self.thread.start()
 
     def _write(self, step: int, state: object, group: ProcessGroup | None, deadline: float,
-               loss: float | None = None, finite: bool = False, rows: ReplicaRows | None = None) -> None:
+               loss: float | None = None, finite: bool = False, rows: ReplicaRows | None = None,
+               plan: ReplicaPlan | None = None) -> None:
         """The background thread: the copy's checks, this rank's copy, the exchange with the buddies, then — once
         every rank says its copy and the one it holds are written — the older copies go. Until then they stay: a
         failure at any moment leaves the last step every rank completed. A refused copy (non-finite, or this rank's
@@ -224,6 +230,8 @@ class MemoryTier:
         try:
             assert self.bound is not None
             done.nonfinite = first_nonfinite(state) if finite else None
+            if plan is not None:
+                rows = plan.rows()
             if rows is not None and group is not None:
                 done.diverged = self._compare(rows, group, deadline)
                 done.checked = [name for name, ranks, _ in rows.groups if ranks]

@@ -242,24 +242,58 @@ class ReplicaRows:
 
 def replica_rows(ctx: RunContext, handler: object) -> ReplicaRows | None:
     """This rank's :class:`ReplicaRows`, or None when the handler names no replica group of 2+ ranks."""
-    import torch
-
-    from lifecycle.distributed.groups import group_ranks
-
     replicas = getattr(handler, "replicas", None)
     if not callable(replicas):
         return None
-    groups: list[tuple[str, list[int], list[str]]] = []
-    rows: list[torch.Tensor] = []
-    for name, named in replicas(ctx):
-        found = group_ranks(ctx.parallel, name)
-        ranks = list(found[1]) if found is not None and len(found[1]) >= 2 and named else []
-        groups.append((name, ranks, [n for n, _ in named] if ranks else []))
-        rows.append(digests(named).cpu().reshape(-1) if ranks else torch.zeros(0, dtype=torch.int64))
-    if not any(ranks for _, ranks, _ in groups):
+    return ReplicaPlan.of(ctx, replicas(ctx)).rows()
+
+
+def replica_plan(ctx: RunContext, handler: object, state: object) -> ReplicaPlan | None:
+    """Which tensors of a memory copy ``state`` to digest for each replica group (the handler's ``replicas_in(ctx,
+    state)``: its ``replicas`` with the copy's tensors, which hold the same values), so that the digests can be
+    taken off the training thread; None when the handler cannot name them in the copy (then :func:`replica_rows`
+    digests the live tensors, now)."""
+    replicas_in = getattr(handler, "replicas_in", None)
+    if not callable(replicas_in):
         return None
-    header = torch.tensor([len(groups), *(len(names) for _, _, names in groups)], dtype=torch.int64)
-    return ReplicaRows(groups, torch.cat([header, *rows]))
+    try:
+        return ReplicaPlan.of(ctx, replicas_in(ctx, state))
+    except (KeyError, IndexError, TypeError):  # a tensor the copy does not hold under that name
+        return None
+
+
+@dataclass
+class ReplicaPlan:
+    """The replica groups of a handler with their ranks, and the tensors to digest for each (groups of fewer than 2
+    ranks keep none)."""
+
+    groups: list[tuple[str, list[int], list[str]]]
+    tensors: list[list[tuple[str, torch.Tensor]]]
+
+    @classmethod
+    def of(cls, ctx: RunContext, replicas: list[tuple[str, list[tuple[str, torch.Tensor]]]]) -> ReplicaPlan:
+        """Local: the groups' ranks from the layout."""
+        from lifecycle.distributed.groups import group_ranks
+
+        groups: list[tuple[str, list[int], list[str]]] = []
+        tensors: list[list[tuple[str, torch.Tensor]]] = []
+        for name, named in replicas:
+            found = group_ranks(ctx.parallel, name)
+            ranks = list(found[1]) if found is not None and len(found[1]) >= 2 and named else []
+            groups.append((name, ranks, [n for n, _ in named] if ranks else []))
+            tensors.append(list(named) if ranks else [])
+        return cls(groups, tensors)
+
+    def rows(self) -> ReplicaRows | None:
+        """The digests (:class:`ReplicaRows`), or None when no group has 2+ ranks. Any thread."""
+        import torch
+
+        if not any(ranks for _, ranks, _ in self.groups):
+            return None
+        rows = [digests(named).cpu().reshape(-1) if named else torch.zeros(0, dtype=torch.int64)
+                for named in self.tensors]
+        header = torch.tensor([len(self.groups), *(len(names) for _, _, names in self.groups)], dtype=torch.int64)
+        return ReplicaRows(self.groups, torch.cat([header, *rows]))
 
 
 def compare_rows(mine: ReplicaRows, payloads: dict[int, list[int]]) -> list[Diverged]:

@@ -519,10 +519,8 @@ def fresh_records(first: dict[int, JsonDict | None], read: Callable[[list[int]],
 
 def _own_launcher() -> bool:
     """This rank was started by ``lifecycle run`` (its launcher writes the shutdown marker, then signals the ranks
-    and waits a grace for them), not by torchrun or srun."""
-    from lifecycle.launch.parent import ENV_LAUNCHER_PID
-
-    return bool(os.environ.get(ENV_LAUNCHER_PID))
+    and waits a grace for them), not by torchrun or srun: only that launcher gives its ranks ``rundir.ENV_LAUNCHED``."""
+    return bool(os.environ.get(rundir.ENV_LAUNCHED))
 
 
 def abort_and_exit(ctx: WatchedRun, code: int, *, by: str = "watchdog") -> None:

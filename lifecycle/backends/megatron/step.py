@@ -48,13 +48,22 @@ class TorchDistCheckpoints:
         """The weights the data-parallel replicas hold alike: the dense ones over dp_cp, the experts' over edp
         (megatron marks them ``allreduce=False``). None while ``overlap_param_gather`` leaves each replica's
         updated shard to the next forward's all-gather (they differ at a boundary by design). Local."""
+        return self._replicas(None)
+
+    def replicas_in(self, ctx: StepContext, copy: dict[str, Any]) -> list[tuple[str, list[tuple[str, Any]]]]:
+        """:meth:`replicas` as a memory copy (:meth:`memory_state`) holds them: each chunk's ``state_dict`` names
+        its parameters as ``named_parameters`` does (KeyError where it does not). Local."""
+        return self._replicas(copy["models"])
+
+    def _replicas(self, models: list[dict[str, Any]] | None) -> list[tuple[str, list[tuple[str, Any]]]]:
         if self.state.overlap_param_gather:
             return []
         dense: list[tuple[str, Any]] = []
         experts: list[tuple[str, Any]] = []
         for i, gpt in enumerate(self.state.gpts):
             for name, param in gpt.named_parameters():
-                (dense if getattr(param, "allreduce", True) else experts).append((f"chunk{i}.{name}", param))
+                value = param if models is None else models[i][name]
+                (dense if getattr(param, "allreduce", True) else experts).append((f"chunk{i}.{name}", value))
         return [("dp_cp", dense), ("edp", experts)]
 
     def load_memory_state(self, ctx: StepContext, state: dict[str, Any]) -> int:

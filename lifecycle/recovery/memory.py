@@ -190,9 +190,10 @@ class MemoryTier:
     # ---- copies ------------------------------------------------------------------------------------------------
     def save(self, ctx: RunContext, step: int) -> None:
         """Take this rank's copy of ``step`` and hand it to the background thread (every rank, at the same step
-        boundary: the exchange with the buddy pairs every rank). On the training thread only the copy itself (and the
-        replicas' local digests where the handler cannot name the copy's tensors: ``replicas_in``); the checks (finite, replicas alike) run on the background thread, before anything
-        is written, and a refused copy fails this rank at the next step boundary (:meth:`poll`)."""
+        boundary: the exchange with the buddy pairs every rank). On the training thread only the copy itself (and
+        the replicas' local digests where the handler cannot name the copy's tensors: ``replicas_in``); the checks
+        (finite, replicas alike) run on the background thread, before anything is written, and a refused copy fails
+        this rank at the next step boundary (:meth:`poll`)."""
 
         self.finish(ctx)
         ctx.drills.fire("checkpoint", step=step, op="memory")  # the copies of the last one are done

@@ -139,7 +139,8 @@ def test_ready_means_every_import_asked_for_not_the_first_one(tmp_path: Path) ->
     answer for the later ones (the launcher's wait, and its timeout, cover both)."""
     (tmp_path / "slow_first.py").write_text("import time\ntime.sleep(0.5)\n")
     done = tmp_path / "second.done"
-    (tmp_path / "slow_second.py").write_text(f"import pathlib, time\ntime.sleep(0.5)\npathlib.Path({str(done)!r}).touch()\n")
+    (tmp_path / "slow_second.py").write_text(
+        f"import pathlib, time\ntime.sleep(0.5)\npathlib.Path({str(done)!r}).touch()\n")
     z = preload.Zygote(tmp_path, ("slow_first",), {"PYTHONUNBUFFERED": "1", "PYTHONPATH": str(tmp_path)},
                        ENV_LAUNCHER_PID)
     try:

@@ -7,6 +7,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from lifecycle.distributed.ranks import fmt_ranks as rank_ranges
 from lifecycle.launch.local import LaunchResult
 from lifecycle.obs import summary
@@ -119,7 +121,8 @@ def _cut_after(log: Any, cut: int | None) -> Callable[..., bool]:
     return emit
 
 
-def test_the_summary_leaves_the_per_step_collectives_unread_and_says_the_same(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_the_summary_leaves_the_per_step_collectives_unread_and_says_the_same(tmp_path: Path,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """Generated runs through the real EventLog (steps with their gradient, loss and stop-flag collectives, a save,
     ranks cut anywhere, inside a collective too): the summary that does not parse the per-step collectives equals the
     one that parses every line."""

@@ -25,6 +25,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+SIGNAL_CHECK_S = 0.5
+"""``checkpoint.signal_check_every: auto``: the stop flag about this often, in seconds of training."""
+SIGNAL_CHECK_MAX = 50
+"""``auto``: at most this many steps between two agreements."""
+
 
 class StopFlag:
     """The stop flag's max-reduce over the default group, issued now and read later: every rank must issue it
@@ -33,17 +38,20 @@ class StopFlag:
     One float says "a preemption signal arrived on some rank"; the same all-reduce carries each rank's proposals
     for the adaptive deadlines (``auto``): every rank then uses the maximum, with no collective of its own.
     Issued at one step boundary and read at the next, the all-reduce runs while the step computes instead of
-    on the training thread's path (``checkpoint.signal_overlap``).
+    on the training thread's path (``checkpoint.signal_overlap``). Its last value is each rank's recent step time
+    (``step_s``; 0: not known yet): the maximum sets ``signal_check_every: auto``'s cadence alike on every rank.
     """
 
-    def __init__(self, ctx: RunContext, *, issued_at: int | None) -> None:
+    def __init__(self, ctx: RunContext, *, issued_at: int | None, step_s: float = 0.0) -> None:
         import torch
         import torch.distributed as dist
 
         from lifecycle.distributed.collectives import device_for
 
-        values = [1.0 if ctx.progress.stop.preempt_signal else 0.0, *ctx.deadlines.proposals()]
+        values = [1.0 if ctx.progress.stop.preempt_signal else 0.0, *ctx.deadlines.proposals(), step_s]
         self.issued_at = issued_at
+        self.step_s = 0.0
+        """The slowest rank's step time, once read."""
         self.flag = torch.tensor(values, dtype=torch.float64, device=device_for())
         self.work = dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, async_op=True)
         ctx.ops.count("world")
@@ -57,13 +65,22 @@ class StopFlag:
             wait_works([self.work], "all_reduce(stop flag)", "world", list(range(ctx.world_size)),
                        ctx.deadline("step"), time.monotonic())
         agreed = self.flag.cpu().tolist()
-        ctx.agree_deadlines(agreed[1:])
+        ctx.agree_deadlines(agreed[1:-1])
+        self.step_s = float(agreed[-1])
         return bool(agreed[0])
 
 
 def agree_stop(ctx: RunContext) -> bool:
     """Issue the stop flag and read it at once (collective on the default group)."""
     return StopFlag(ctx, issued_at=ctx.step).read(ctx, overlapped=False)
+
+
+def auto_cadence(step_s: float) -> int:
+    """``signal_check_every: auto``: the steps between two agreements for the slowest rank's step time (1 while it
+    is not known)."""
+    if step_s <= 0.0:
+        return 1
+    return max(1, min(SIGNAL_CHECK_MAX, int(SIGNAL_CHECK_S / step_s)))
 
 
 def leave_for_restart(ctx: RunContext) -> None:
@@ -130,6 +147,11 @@ class StepLoop:
         self._traced = False
         self.outside_step_s = 0.0
         """Time of the running step spent in a trainer's own phases (``job.phase``): not step time."""
+        self.check_at = 0
+        """``signal_check_every: auto``: the first step boundary that issues the stop flag again."""
+        self.period = 0.0
+        """This rank's last step period (begin to begin, the boundary included; 0 before the second step)."""
+        self._began: float | None = None
 
     def start(self, ctx: RunContext, total: int | None) -> None:
         """Before the first step (after any resume): a resumed step counts as saved."""
@@ -155,6 +177,9 @@ class StepLoop:
         self._metrics = {}
         self.outside_step_s = 0.0
         t0 = time.monotonic()
+        if self._began is not None:
+            self.period = t0 - self._began
+        self._began = t0
         with ctx.events.span("step") as extra, self._first_step_trace(ctx):
             slow = ctx.drills.slow_s(step)
             if slow:
@@ -244,6 +269,15 @@ class StepLoop:
             self.checkpoint(ctx, reason)
         self.saved_at = ctx.step
 
+    def _read(self, ctx: RunContext, flag: StopFlag, step: int, *, overlapped: bool) -> bool:
+        """Read ``flag`` at the boundary of ``step``; with ``signal_check_every: auto`` the next issue falls where
+        the next read comes about :data:`SIGNAL_CHECK_S` later (the same step on every rank: from agreed values)."""
+        self.flag = None
+        stop = flag.read(ctx, overlapped=overlapped)
+        if ctx.policy.checkpoint.signal_check_every == "auto":
+            self.check_at = step + auto_cadence(flag.step_s) - (1 if ctx.policy.checkpoint.signal_overlap else 0)
+        return stop
+
     def boundary(self, ctx: RunContext, step: int) -> Decision:
         """Everything that happens between two steps, in the same order on every rank (collective on the default
         group when the stop flag is due, and on the groups of the barrier points and checkpoints)."""
@@ -251,7 +285,7 @@ class StepLoop:
         leave_for_restart(ctx)
         stop = False
         if self.flag is not None:  # issued at the last boundary, reduced while this step ran
-            stop, self.flag = self.flag.read(ctx, overlapped=True), None
+            stop = self._read(ctx, self.flag, step, overlapped=True)
         if ctx.progress.pending_save is not None:  # an async save overlapped this step: commit it now, in the checkpoint phase
             self.commit_pending(ctx)
         if every is not None and step % every.n == 0:
@@ -274,13 +308,15 @@ class StepLoop:
         # checkpoint.signal_check_every trades that all-reduce on most steps for a later stop after a signal;
         # checkpoint.signal_overlap reads it one step later, except where the stop decides a save now (a
         # periodic-save step, the last step): there it is agreed at once, so a stop never saves twice.
-        due = step % ck.signal_check_every == 0 or save_step
+        n = ck.signal_check_every
+        due = (step >= self.check_at if n == "auto" else step % n == 0) or save_step
         last = self.total is not None and step >= self.total
         if not stop and due and (ck.on_signal or ctx.deadlines.learned):
+            flag = StopFlag(ctx, issued_at=step, step_s=self.period)
             if ck.signal_overlap and not save_step and not last:
-                self.flag = StopFlag(ctx, issued_at=step)
+                self.flag = flag
             else:
-                stop = agree_stop(ctx)
+                stop = self._read(ctx, flag, step, overlapped=False)
         if not (ck.on_signal and stop):
             return Decision(save=save_step, stop=False)
         ctx.progress.stop.stop_step = step
@@ -331,7 +367,10 @@ class TrainPhase:
         if flag:
             carries = " and ".join(w for w in ("the preemption flag" if ck.on_signal else "",
                                                "the auto deadlines" if auto else "") if w)
-            cadence = "every step" if ck.signal_check_every == 1 else f"every {ck.signal_check_every} steps"
+            n = ck.signal_check_every
+            cadence = ("every step" if n == 1 else f"every {n} steps" if n != "auto" else
+                       f"about every {SIGNAL_CHECK_S:g}s of steps (auto: n from the slowest rank's step time, at most "
+                       f"{SIGNAL_CHECK_MAX})")
             how = ("issued at a step's end, read at the next one's (overlapped; save steps and the last step at "
                    "once)" if ck.signal_overlap else "read at once")
             actions.append(Action("stop_flag", "world", dl, f"max all-reduce of {carries}, {cadence}, {how}"))

@@ -96,9 +96,11 @@ class CheckpointConfig(Section):
     """How long the scheduler waits from its signal to its kill (SLURM --signal=B:TERM@lead, Kubernetes
     terminationGracePeriodSeconds); null: LIFECYCLE_SIGNAL_LEAD_S, else unknown. It must cover grace_s +
     teardown.deadline_s (validate refuses less)."""
-    signal_check_every: PositiveInt = 1
+    signal_check_every: PositiveInt | Literal["auto"] = 1
     """Agree on a preemption stop every n train steps (one world all-reduce; also at every periodic-save step):
-    n > 1 saves that all-reduce on the other steps, and a signal then waits up to n-1 more steps before the save."""
+    n > 1 saves that all-reduce on the other steps, and a signal then waits up to n-1 more steps before the save.
+    auto: about every 0.5 s of training — n from the slowest rank's step time, agreed in the same all-reduce (every
+    step until the first agreement, at most every 50 steps)."""
     signal_overlap: Flag = True
     """Run that all-reduce while the next step computes and act on it at that step's end: it leaves the training
     thread's path, and a signal then stops one step later (a periodic-save step and the last step agree at once)."""

@@ -60,6 +60,7 @@ def test_plan_orders_and_skips() -> None:
 @pytest.mark.parametrize(("checkpoint", "deadlines", "expect"), [
     ({}, {}, "max all-reduce of the preemption flag, every step, issued at a step's end, read at the next"),
     ({"signal_overlap": False, "signal_check_every": 5}, {}, "the preemption flag, every 5 steps, read at once"),
+    ({"signal_check_every": "auto"}, {}, "the preemption flag, about every 0.5s of steps (auto: n from the slowest"),
     ({"on_signal": False}, {"step": "auto"}, "max all-reduce of the auto deadlines, every step"),
     ({"on_signal": False}, {}, None),  # nothing to agree on: no all-reduce at all
 ])

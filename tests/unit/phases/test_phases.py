@@ -17,7 +17,8 @@ from lifecycle.obs.events import read_events
 from lifecycle.phases import checkpoint
 from lifecycle.phases.init import InitPhase
 from lifecycle.phases.teardown import HardDeadline, TeardownPhase
-from lifecycle.phases.train import TrainPhase, agree_stop
+from lifecycle.phases import train
+from lifecycle.phases.train import TrainPhase, agree_stop, auto_cadence
 from lifecycle.phases.warmup import WarmupPhase
 from lifecycle.recovery.resume import resume
 from tests.unit.onerank import MakeCtx, RecordingParallel, names
@@ -142,6 +143,33 @@ def test_a_signal_mid_training_saves_and_stops_at_the_step_boundary(make_ctx: Ma
     assert [e.get("step") for e in flags] == [None, *range(1, stop + 1)] if not overlap else \
         [None, *range(2, stop + 1)]  # before the first step; then after each step (overlapped: one later)
     assert [bool(e.get("overlapped")) for e in flags[1:]] == [overlap] * (len(flags) - 1)
+
+
+def test_the_auto_cadence_spaces_the_agreements_by_the_slowest_step_time() -> None:
+    assert auto_cadence(0.0) == 1  # not known yet: every step
+    assert [auto_cadence(s) for s in (0.05, 0.1, 0.3, 0.5, 2.0)] == [10, 5, 1, 1, 1]
+    assert auto_cadence(1e-4) == train.SIGNAL_CHECK_MAX
+
+
+@pytest.mark.parametrize(("signal_after", "stop"), [(None, None), (60, 103)])
+def test_an_auto_cadence_agrees_every_step_until_a_step_time_is_known_then_every_n(
+        make_ctx: MakeCtx, monkeypatch: pytest.MonkeyPatch, signal_after: int | None, stop: int | None) -> None:
+    """Overlapped: issued after step 1 (no step time yet: n = 1), read after 2 with the period of step 2 proposed
+    at once, read after 3; from then on every SIGNAL_CHECK_MAX steps (a target of 1000 s: the cap) — a signal
+    waits for the next agreement."""
+    monkeypatch.setattr(train, "SIGNAL_CHECK_S", 1000.0)
+    ctx = _init(make_ctx({"train": {"steps": 120}, "checkpoint": {"signal_check_every": "auto"}}))
+    saves: list[tuple[int, str]] = []
+    phase = TrainPhase(lambda c, reason: saves.append((c.step, reason)))
+    if signal_after is not None:
+        phase._build = _signal_after(phase._build, signal_after)  # type: ignore[method-assign]
+    phase.run(ctx)
+    ctx.events.flush()
+    flags = [e.get("step") for e in read_events(ctx.run_dir)[0] if e["name"] == "stop_flag" and e["kind"] == "end"]
+    if stop is None:
+        assert flags == [None, 2, 3, 53, 103] and ctx.step == 120 and saves == [(120, "end")]
+    else:
+        assert flags == [None, 2, 3, 53, 103] and ctx.progress.stop.stop_step == stop and saves == [(stop, "preemption")]
 
 
 def test_a_signal_at_a_save_step_is_agreed_at_once_and_saves_once(make_ctx: MakeCtx) -> None:

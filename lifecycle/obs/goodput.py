@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from lifecycle.obs.events import iter_file, rank_files
-from lifecycle.obs.spans import Span, rank_spans, valid_events
+from lifecycle.obs.spans import Span, iter_spans, valid_events
 from lifecycle.rundir import ATTEMPTS_DIR, current_attempt
 
 BUCKETS = ("productive", "lost", "startup", "checkpoint", "restore", "detection", "teardown", "relaunch", "other")
@@ -103,7 +103,8 @@ def _attempt(number: int, folder: Path) -> _Attempt | None:
         start = min(start, first["t"] - int(since * 1e6)) if first else start
     exits = [e for e in events if e["name"] == "exit" and e["kind"] == "instant"]
     code = exits[-1].get("exit_code") if exits else None
-    return _Attempt(number, events, rank_spans(rank, events), start, max(e["t"] for e in events),
+    spans = sorted(iter_spans(rank, events), key=lambda s: (s.start_us, s.depth))  # the events are valid already
+    return _Attempt(number, events, spans, start, max(e["t"] for e in events),
                     code if isinstance(code, int) else None)
 
 
@@ -200,6 +201,16 @@ def _sweep(a: _Attempt, intervals: list[Interval], first_train: int | None,
     return out
 
 
+def _from_end(survivors: dict[int, Any], step: int) -> list[int]:
+    """The keys of ``survivors`` (rising in insertion order) that are ``>= step``, ascending; read from the end."""
+    keys = []
+    for key in reversed(survivors):
+        if key < step:
+            break
+        keys.append(key)
+    return keys[::-1]
+
+
 def account(run_dir: Path) -> Goodput:
     """The goodput of the run in ``run_dir`` over every attempt it recorded."""
     runs = attempts(run_dir)
@@ -240,7 +251,9 @@ def account(run_dir: Path) -> Goodput:
     survivors: dict[int, tuple[float, tuple[int, int]]] = {}
     outcome: dict[tuple[int, int], str] = {}
     for step, seconds, completed, key in computations:
-        for later in [m for m in survivors if m >= step]:  # the same step again: these results were thrown away
+        # the same step again: the results from it on were thrown away. The survivors' steps rise in insertion order
+        # (each one goes in after every step >= it went out), so they go from the end: linear in the steps run
+        for later in _from_end(survivors, step):
             lost, was = survivors.pop(later)
             g.buckets["lost"] += lost
             g.steps_lost += 1

@@ -198,3 +198,19 @@ def test_generated_runs_sum_to_the_wall_time_and_keep_exactly_the_final_steps(tm
         shaded[bucket] += (hi - lo) / 1e6
     for bucket, seconds in g.buckets.items():
         assert shaded[bucket] == pytest.approx(seconds, abs=1e-5), (seed, bucket, shaded, g.buckets)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_steps_thrown_away_are_found_from_the_end_as_a_full_scan_finds_them(seed: int) -> None:
+    """Restarts resume anywhere before the last step: the survivors stay in rising order, so the scan from the end
+    (linear in the steps run, where a full scan per step was quadratic) finds exactly the steps >= the one run."""
+    rng = random.Random(seed)
+    survivors: dict[int, int] = {}
+    step = 0
+    for _ in range(400):
+        step = rng.randint(max(step - 30, 1), step) if rng.random() < 0.05 else step + 1
+        found = goodput._from_end(survivors, step)
+        assert found == sorted(m for m in survivors if m >= step), (seed, step)
+        for m in found:
+            survivors.pop(m)
+        survivors[step] = step

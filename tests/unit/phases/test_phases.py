@@ -14,10 +14,9 @@ from lifecycle import rundir
 from lifecycle.context import RunContext
 from lifecycle.errors import CheckpointError, PhaseError, PolicyError
 from lifecycle.obs.events import read_events
-from lifecycle.phases import checkpoint
+from lifecycle.phases import checkpoint, train
 from lifecycle.phases.init import InitPhase
 from lifecycle.phases.teardown import HardDeadline, TeardownPhase
-from lifecycle.phases import train
 from lifecycle.phases.train import TrainPhase, agree_stop, auto_cadence
 from lifecycle.phases.warmup import WarmupPhase
 from lifecycle.recovery.resume import resume

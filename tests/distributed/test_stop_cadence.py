@@ -49,6 +49,28 @@ def test_an_overlapped_flag_is_read_one_step_later(tmp_path: Path) -> None:
             [(None, None, False), (5, 4, True), (9, 8, True)], (rank, flags)
 
 
+@pytest.mark.timeout(90)
+def test_an_auto_cadence_is_agreed_alike_on_every_rank_and_a_signal_stops_at_the_next_agreement(
+        tmp_path: Path) -> None:
+    """``signal_check_every: auto`` with ~50 ms steps: every step until a step time is known, then about every
+    0.5 s (n from the slowest rank's period, the same on both ranks); a signal at step 12 stops at the next one."""
+    run = lifecycle_run(tmp_path, 2, *SYNTHETIC, *FAST, "train.steps=60", "checkpoint.every_steps=0",
+                        "checkpoint.signal_check_every=auto", "train.options.step_sleep_s=0.05",
+                        "+faults=[{at: train, step: 12, ranks: [1], action: signal}]")
+    assert run.code == 0, run.output
+    seen = {rank: [e.get("step") for e in events if e["name"] == "stop_flag" and e["kind"] == "end"]
+            for rank, events in run.events().items()}
+    assert len(seen) == 2 and seen[0] == seen[1], seen  # issued and read at the same steps on both ranks
+    reads = seen[0]
+    assert reads[:3] == [None, 2, 3], reads  # before training; then every step until a period is agreed
+    gaps = [b - a for a, b in zip(reads[2:], reads[3:], strict=False)]
+    assert gaps and all(2 <= g <= 10 for g in gaps), reads  # 0.5 s of ~50 ms steps: at most 10, never every step
+    stop = reads[-1]
+    assert stop > 12 and stop - 12 <= gaps[-1] + 1, reads
+    assert f"preempted at step {stop}, saved" in run.proc.stdout, run.output
+    assert (run.run_dir / "checkpoints" / "latest").read_text().strip() == f"iter_{stop:07d}"
+
+
 def _start(run_dir: Path, *extra: str) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, "-m", "lifecycle", "run", "--nproc", "2", f"run.dir={run_dir}",
                              *SYNTHETIC, *FAST, "train.steps=400", "train.options.step_sleep_s=0.05",

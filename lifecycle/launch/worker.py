@@ -24,6 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     die_with_launcher()
     args = sys.argv[1:] if argv is None else argv
     setup_logging()
+    crash_stacks()
     if len(args) != 1:
         print("usage: python -m lifecycle.launch.worker RUN_DIR", file=sys.stderr)
         return ExitCode.USAGE
@@ -37,6 +38,16 @@ def main(argv: list[str] | None = None) -> int:
         record_failure(rank=int(rank) if rank.isdigit() else -1, error=type(exc).__name__, message=str(exc),
                        exit_code=exit_code(exc), phase=exc.phase or "before init", group=exc.group)
         return exit_code(exc)
+
+
+def crash_stacks() -> None:
+    """A rank that crashes in native code (SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT: a library, a driver) writes the
+    Python stack of every thread to its stderr — the rank's log — before it dies of the same signal, so the launcher
+    still names the signal (Python's ``faulthandler``; already on under ``-X faulthandler``/``PYTHONFAULTHANDLER``)."""
+    import faulthandler
+
+    if not faulthandler.is_enabled():
+        faulthandler.enable(all_threads=True)
 
 
 if __name__ == "__main__":

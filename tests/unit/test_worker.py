@@ -102,3 +102,22 @@ def test_a_forked_ranks_start_up_counts_from_its_launch(monkeypatch: pytest.Monk
         monkeypatch.setenv(rundir.ENV_LAUNCHED, junk)
         age = process_age_s()
         assert start_up_s() == pytest.approx(age, abs=0.05), junk
+
+
+def test_a_rank_that_crashes_in_native_code_leaves_every_threads_python_stack_and_dies_of_the_signal() -> None:
+    """worker.main's crash_stacks: the stack goes to the rank's stderr (its log), the signal still ends the process."""
+    import subprocess
+    import sys
+
+    code = ("import os, signal, threading, time\n"
+            "from lifecycle.launch.worker import crash_stacks\n"
+            "crash_stacks()\n"
+            "threading.Thread(target=time.sleep, args=(60,), name='other', daemon=True).start()\n"
+            "def deep():\n"
+            "    os.kill(os.getpid(), signal.SIGSEGV)\n"
+            "deep()\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONFAULTHANDLER"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == -signal.SIGSEGV, (proc.returncode, proc.stderr)
+    assert "Fatal Python error: Segmentation fault" in proc.stderr, proc.stderr
+    assert 'line 6 in deep' in proc.stderr and proc.stderr.count("hread 0x") >= 2, proc.stderr

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from lifecycle.obs.events import iter_file, rank_files
-from lifecycle.obs.spans import Span, iter_spans, valid_events
+from lifecycle.obs.spans import Span, rank_spans, valid_events
 from lifecycle.rundir import ATTEMPTS_DIR, current_attempt
 
 BUCKETS = ("productive", "lost", "startup", "checkpoint", "restore", "detection", "teardown", "relaunch", "other")
@@ -103,8 +103,7 @@ def _attempt(number: int, folder: Path) -> _Attempt | None:
         start = min(start, first["t"] - int(since * 1e6)) if first else start
     exits = [e for e in events if e["name"] == "exit" and e["kind"] == "instant"]
     code = exits[-1].get("exit_code") if exits else None
-    spans = sorted(iter_spans(rank, events), key=lambda s: (s.start_us, s.depth))  # the events are valid already
-    return _Attempt(number, events, spans, start, max(e["t"] for e in events),
+    return _Attempt(number, events, rank_spans(rank, events, valid=True), start, max(e["t"] for e in events),
                     code if isinstance(code, int) else None)
 
 

@@ -65,9 +65,10 @@ def valid_events(events: list[Any]) -> list[dict[str, Any]]:
     return [e for e in events if is_valid(e)]
 
 
-def rank_spans(rank: int, events: list[dict[str, Any]]) -> list[Span]:
-    """Pair one rank's begin/end events (file order = emission order) into spans, cut spans included."""
-    return sorted(iter_spans(rank, valid_events(events)), key=lambda s: (s.start_us, s.depth))
+def rank_spans(rank: int, events: list[dict[str, Any]], *, valid: bool = False) -> list[Span]:
+    """Pair one rank's begin/end events (file order = emission order) into spans, cut spans included; ``valid``: the
+    events passed :func:`valid_events` already (not checked again)."""
+    return sorted(iter_spans(rank, events if valid else valid_events(events)), key=lambda s: (s.start_us, s.depth))
 
 
 def iter_spans(rank: int, events: Iterable[dict[str, Any]]) -> Iterator[Span]:

@@ -284,7 +284,7 @@ def build(run_dir: Path, launch: Any | None = None, *, goodput: bool = True) -> 
     every = {r: valid_events(evs) for r, evs in read_events(run_dir, skip=PER_STEP_OPS).items()}
     restarted = in_process_restarts(every.get(0, []))
     events = {r: current_attempt(evs) for r, evs in every.items()}
-    spans = {r: rank_spans(r, evs) for r, evs in events.items()}
+    spans = {r: rank_spans(r, evs, valid=True) for r, evs in events.items()}
     status = exit_status(events, launch)
     rank0 = events.get(0, [])
     losses = [e["loss"] for e in rank0 if e["name"] == "step" and e["kind"] == "end" and "loss" in e]

@@ -205,19 +205,19 @@ class MemoryTier:
         handler = ctx.require_step_handler()
         with ctx.events.span("memory_save", step=step):
             state = take(ctx)
-            # the replicas' digests of the copy on the background thread where the handler names its tensors there
-            plan = replica_plan(ctx, handler, state) if ck.check_replicas else None
-            rows = replica_rows(ctx, handler) if ck.check_replicas and plan is None else None
+            # the replicas' digests: of the copy, later on the background thread, where the handler names its
+            # tensors there; of the live tensors, now, where it does not
+            replicas = (replica_plan(ctx, handler, state) or replica_rows(ctx, handler)) if ck.check_replicas else None
         deadline = ctx.deadline("checkpoint")
         self.thread = threading.Thread(target=self._write,
                                        args=(step, state, group, deadline, ctx.progress.last_loss, ck.check_finite,
-                                             rows, plan),
+                                             replicas),
                                        name=f"lifecycle-memory-{step}", daemon=True)
         self.thread.start()
 
     def _write(self, step: int, state: object, group: ProcessGroup | None, deadline: float,
-               loss: float | None = None, finite: bool = False, rows: ReplicaRows | None = None,
-               plan: ReplicaPlan | None = None) -> None:
+               loss: float | None = None, finite: bool = False,
+               replicas: ReplicaPlan | ReplicaRows | None = None) -> None:
         """The background thread: the copy's checks, this rank's copy, the exchange with the buddies, then — once
         every rank says its copy and the one it holds are written — the older copies go. Until then they stay: a
         failure at any moment leaves the last step every rank completed. A refused copy (non-finite, or this rank's
@@ -231,8 +231,7 @@ class MemoryTier:
         try:
             assert self.bound is not None
             done.nonfinite = first_nonfinite(state) if finite else None
-            if plan is not None:
-                rows = plan.rows()
+            rows = replicas.rows() if isinstance(replicas, ReplicaPlan) else replicas
             if rows is not None and group is not None:
                 done.diverged = self._compare(rows, group, deadline)
                 done.checked = [name for name, ranks, _ in rows.groups if ranks]

@@ -175,21 +175,21 @@ def _attempts(policy: Policy, nproc: int, run_dir: Path, overrides: Sequence[str
         if refused is not None:
             print(f"lifecycle: {refused}", file=sys.stderr, flush=True)
             code = policy.teardown.exit_codes.no_progress
-            return code if failed is None else _drawn(policy, run_dir, _last_goodput(run_dir, info, code))
+            return code if failed is None else _final(policy, run_dir, info, trap, code, printed=True)
         code, info, stopped, started = _attempt(policy, nproc, run_dir, overrides, budget.left, pool,
                                                 started_at if failed is None else None)
         budget.spend_in_place(started, int(info.get("attempt") or started))
         attempt = info.get("attempt") or started
         ends = budget.spent or stopped or decisions.final(code, policy)
         stop = stopped or bool(trap.received)
-        _summarize(run_dir, info, goodput=bool(ends) and not stop)
+        if ends and not stop:
+            return _final(policy, run_dir, info, trap, code)
+        _summarize(run_dir, info, goodput=False)
         if trap.received and not ends:
             print(f"lifecycle: {trap.received[0].name} after attempt {attempt} failed (exit {code}): not "
                   f"restarting", file=sys.stderr, flush=True)
         if stop:
             return _stopped(policy, run_dir, code)
-        if ends:
-            return _drawn(policy, run_dir, code)
         failed = code
         print(decisions.restart_line(policy, info, code, budget.spend_relaunch()), flush=True)
         if policy.run.timeline != "off":
@@ -238,16 +238,27 @@ def _attempt(policy: Policy, nproc: int, run_dir: Path, overrides: Sequence[str]
     return int(result.exit_code), info, result.stopped_by is not None, attempt
 
 
-def _last_goodput(run_dir: Path, info: JsonDict, code: int) -> int:
-    """No attempt follows the last one after all (a stop or the no-progress verdict between attempts): the run's
-    goodput into its summary, and its line; ``code`` back."""
+def _final(policy: Policy, run_dir: Path, info: JsonDict, trap: SignalTrap, code: int, *,
+           printed: bool = False) -> int:
+    """No attempt follows this one: the run's goodput over every attempt into its summary, written and printed
+    (only its line where the summary was ``printed`` already: the no-progress verdict between attempts), while a
+    child process draws the trace and picture (``run.timeline``) from the same files; ``code`` back once both are
+    done."""
     from lifecycle.obs import summary
+    from lifecycle.obs.timeline import start_end_of_job
 
-    summary.add_goodput(run_dir, info)
-    _write(run_dir, info)
-    line = (info.get("goodput") or {}).get("line")
-    if line:
-        print(f"goodput  {line}", flush=True)
+    _write(run_dir, info)  # the verdict the picture's title reads
+    drawing = start_end_of_job(run_dir, policy.run.timeline)
+    if printed:
+        summary.add_goodput(run_dir, info)
+        _write(run_dir, info)
+        line = (info.get("goodput") or {}).get("line")
+        if line:
+            print(f"goodput  {line}", flush=True)
+    else:
+        _summarize(run_dir, info, goodput=True)
+    if drawing is not None:
+        drawing.finish(lambda: bool(trap.received))
     return code
 
 
@@ -280,14 +291,6 @@ def _stopped(policy: Policy, run_dir: Path, code: int) -> int:
           flush=True)
     if policy.run.timeline != "off":
         print(f"timeline drawn later with `lifecycle timeline {run_dir}`", flush=True)
-    return code
-
-
-def _drawn(policy: Policy, run_dir: Path, code: int) -> int:
-    """The run's last attempt: its merged trace and picture (``run.timeline``); ``code`` back."""
-    from lifecycle.obs.timeline import end_of_job
-
-    end_of_job(run_dir, policy.run.timeline)
     return code
 
 

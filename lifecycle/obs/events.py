@@ -28,6 +28,11 @@ _ENCODE = json.JSONEncoder(default=str).encode
 """One encoder for every event: ``json.dumps(..., default=str)`` builds a new one per call (on the training thread)."""
 
 
+PER_STEP_OPS = ("grad_reduce", "loss_all_reduce", "stop_flag")
+"""The collectives every step records (three quarters of a long attempt's events): readers that need none of them
+(the summary) or only their ends (goodput) leave those lines unparsed."""
+
+
 def now_us() -> int:
     return time.time_ns() // 1000
 

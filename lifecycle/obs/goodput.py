@@ -25,11 +25,12 @@ timeline (the lowest rank with events where rank 0 has none) stands for the job'
 from __future__ import annotations
 
 import heapq
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lifecycle.obs.events import iter_file, rank_files
+from lifecycle.obs.events import PER_STEP_OPS, iter_file, rank_files
 from lifecycle.obs.spans import Span, rank_spans, valid_events
 from lifecycle.rundir import ATTEMPTS_DIR, current_attempt
 
@@ -82,10 +83,16 @@ class _Attempt:
     exit_code: int | None
 
 
+_UNREAD = tuple(f'"kind": "begin", "name": {json.dumps(n)}'.encode() for n in PER_STEP_OPS)
+"""The begin lines of the per-step collectives (three of a step's eight lines): the accounting reads none of their
+spans, only when each one ended (the last progress before a failure), so they are not parsed (a rank's last line
+still is, :func:`lifecycle.obs.events.iter_file`)."""
+
+
 def _one_rank(folder: Path) -> tuple[int, list[dict[str, Any]]] | None:
     """The lowest rank of ``folder/events`` with well-formed events, and those events (one file read at a time)."""
     for rank, path in rank_files(folder):
-        events = valid_events(list(iter_file(path)))
+        events = valid_events(list(iter_file(path, needles=_UNREAD)))
         if events:
             return rank, events
     return None
@@ -103,8 +110,11 @@ def _attempt(number: int, folder: Path) -> _Attempt | None:
         start = min(start, first["t"] - int(since * 1e6)) if first else start
     exits = [e for e in events if e["name"] == "exit" and e["kind"] == "instant"]
     code = exits[-1].get("exit_code") if exits else None
-    return _Attempt(number, events, rank_spans(rank, events, valid=True), start, max(e["t"] for e in events),
-                    code if isinstance(code, int) else None)
+    # The spans the buckets use: not the per-step collectives' (their ends stay in ``events``), but the rank's
+    # last moment, which ends the spans it never closed
+    end = max(events, key=lambda e: e["t"])
+    spans = rank_spans(rank, [e for e in events if e["name"] not in PER_STEP_OPS or e is end], valid=True)
+    return _Attempt(number, events, spans, start, end["t"], code if isinstance(code, int) else None)
 
 
 def attempts(run_dir: Path) -> list[_Attempt]:

@@ -12,7 +12,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from lifecycle.obs.events import read_events
+from lifecycle.obs.events import PER_STEP_OPS, read_events
 from lifecycle.obs.spans import Span, phase_of, rank_spans, valid_events
 from lifecycle.policy.base import PHASES
 from lifecycle.rundir import ATTEMPTS_DIR, HANG_REPORT, SUMMARY, earlier_attempts, safeio
@@ -269,11 +269,6 @@ def _earlier(run_dir: Path, restarts: list[dict[str, Any]]) -> list[dict[str, An
               is not None}
     merged.update({n: i for n, i in in_place.items() if n not in merged})
     return [merged[n] for n in sorted(merged)]
-
-
-PER_STEP_OPS = ("grad_reduce", "loss_all_reduce", "stop_flag")
-"""The collectives every step records (three quarters of a long attempt's events): no part of the summary reads
-them, so it does not parse them."""
 
 
 def build(run_dir: Path, launch: Any | None = None, *, goodput: bool = True) -> dict[str, Any]:

@@ -407,14 +407,15 @@ END_OF_JOB_TIMELINE_BYTES = 32 << 20
 not delay the exit code by more than a few seconds. ``lifecycle timeline RUN_DIR`` draws them on demand."""
 
 
-def end_of_job(run_dir: Path, what: str = "png") -> None:
-    """The merged trace and, with ``what="png"`` (``run.timeline``), the PNG when matplotlib is installed; nothing
-    with ``off``. Never changes the run's exit code."""
-    import logging
+END_OF_JOB_DRAW_S = 120.0
+"""How long the launcher waits for the end of a job's trace and picture (:class:`Drawing`) before it leaves without
+them (a few seconds at :data:`END_OF_JOB_TIMELINE_BYTES`)."""
 
+
+def _drawn_at_the_end(run_dir: Path, what: str) -> bool:
+    """Whether the end of a job draws (``run.timeline`` not ``off``, the event files not too large: said)."""
     if what == "off":
-        return
-
+        return False
     try:
         size = sum(p.stat().st_size for p in (run_dir / rundir.EVENTS_DIR).glob(rundir.RANK_EVENTS) if p.is_file())
     except OSError:
@@ -422,6 +423,70 @@ def end_of_job(run_dir: Path, what: str = "png") -> None:
     if size > END_OF_JOB_TIMELINE_BYTES:
         print(f"trace    skipped at the end of the job: {size >> 20} MiB of events; draw it with `lifecycle "
               f"timeline {run_dir}`", flush=True)
+        return False
+    return True
+
+
+class Drawing:
+    """The end of a job's trace and picture, drawn by a child process (``lifecycle timeline``) while the launcher
+    reads the run's goodput: the two reads of the event files share the cores the ranks left instead of running one
+    after the other. Its lines are printed when it is done (after the summary, as before); it never changes the
+    run's exit code."""
+
+    def __init__(self, run_dir: Path, what: str) -> None:
+        import subprocess
+
+        self.run_dir = run_dir
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "lifecycle", "timeline", str(run_dir), *([] if what == "png" else ["--no-png"])],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    def finish(self, stopped: Callable[[], bool] = lambda: False, limit_s: float = END_OF_JOB_DRAW_S) -> None:
+        """Wait for it (at most ``limit_s``, and not past a stop the launcher received: ``stopped()``), then print
+        what it said; a drawing cut short is killed and named, with the command that draws it."""
+        import subprocess
+        import time
+
+        deadline = time.monotonic() + limit_s
+        while True:
+            try:
+                out, err = self.proc.communicate(timeout=0.05)
+                break
+            except subprocess.TimeoutExpired:
+                if stopped() or time.monotonic() > deadline:
+                    self.proc.kill()
+                    self.proc.communicate()
+                    for tmp in self.run_dir.glob(f".*.{self.proc.pid}.tmp"):  # what it was writing (safeio.replacing)
+                        tmp.unlink(missing_ok=True)
+                    why = "a stop signal came" if stopped() else f"not done in {limit_s:.0f}s"
+                    print(f"trace    not drawn ({why}): draw it with `lifecycle timeline {self.run_dir}`", flush=True)
+                    return
+        sys.stdout.write(out.decode(errors="replace"))
+        sys.stdout.flush()
+        if err:
+            sys.stderr.write(err.decode(errors="replace"))
+            sys.stderr.flush()
+        if self.proc.returncode:
+            print(f"trace    not written (exit {self.proc.returncode}): `lifecycle timeline {self.run_dir}` says why",
+                  flush=True)
+
+
+def start_end_of_job(run_dir: Path, what: str = "png") -> Drawing | None:
+    """:func:`end_of_job` in a child process (:class:`Drawing`), or None where nothing is drawn."""
+    if not _drawn_at_the_end(run_dir, what):
+        return None
+    try:
+        return Drawing(run_dir, what)
+    except OSError as exc:  # no process to spare: drawn here, after the goodput read
+        logging.getLogger(__name__).warning("timeline drawn in the launcher: %s", exc)
+        end_of_job(run_dir, what)
+        return None
+
+
+def end_of_job(run_dir: Path, what: str = "png") -> None:
+    """The merged trace and, with ``what="png"`` (``run.timeline``), the PNG when matplotlib is installed; nothing
+    with ``off``. Never changes the run's exit code."""
+    if not _drawn_at_the_end(run_dir, what):
         return
     try:
         main(run_dir, no_png=what != "png")

@@ -214,3 +214,68 @@ def test_the_steps_thrown_away_are_found_from_the_end_as_a_full_scan_finds_them(
         for m in found:
             survivors.pop(m)
         survivors[step] = step
+
+
+def _collective_attempt(w: Writer, rng: random.Random, number: int, first: int, last: int,
+                        fail_at: int | None) -> None:
+    """One attempt as the megatron kind writes it: each step's gradient and loss all-reduces inside it, the stop
+    flag read at some boundaries, ties to the µs, and a failure cut anywhere inside a step (an op begun and never
+    ended, aborted just before a hang report, or the rank killed inside it)."""
+    w.at("instant", "attempt", attempt=number, process_start_s=rng.uniform(0, 0.4))  # < the gap between attempts
+    w.span("phase:init", 0.4)
+    w.at("begin", "phase:train", 0.1)
+    if first > 1:
+        w.span("resume", 0.2, step=first - 1)
+    for step in range(first, last + 1):
+        w.at("begin", "step", rng.choice([0.0, 0.000001, 0.001]), step=step)
+        ops = [("grad_reduce", 0.01), ("grad_reduce", 0.01), ("loss_all_reduce", 0.003)]
+        for i, (op, seconds) in enumerate(ops):
+            w.at("begin", op, rng.uniform(0, 0.05), step=step)
+            if step == fail_at and i == rng.randrange(3):
+                how = rng.random()
+                if how < 0.3:  # killed: the file ends inside the op, or just after it ended
+                    if rng.random() < 0.5:
+                        w.at("end", op, seconds, step=step, dur_us=int(seconds * S))
+                    return
+                if how < 0.65:  # aborted by the report: the op, then the step, end just before it
+                    w.at("end", op, rng.uniform(0.5, 2.0), step=step, outcome="error: aborted")
+                    w.at("end", "step", 0.001, step=step)
+                    w.at("instant", "hang_report", 0.002, cause="hang", idle_s=rng.uniform(0, 2.5))
+                else:  # a peer crashed: this rank's report while the op never ends
+                    w.at("instant", "failure", rng.uniform(0.1, 1.0), step=step, exit_code=4)
+                w.span("phase:teardown", 0.2, failure=True)
+                w.at("instant", "exit", 0.0, exit_code=4)
+                return
+            w.at("end", op, seconds, step=step, dur_us=int(seconds * S))
+        w.at("end", "step", 0.002, step=step, loss=1.0 / step)
+        if rng.random() < 0.5:
+            w.span("stop_flag", rng.choice([0.0, 0.00003]), step=step)
+        if rng.random() < 0.2:
+            w.span("memory_save", 0.003, step=step)
+    w.at("end", "phase:train", 0.0)
+    w.span("phase:teardown", 0.1)
+    w.at("instant", "exit", 0.0, exit_code=0)
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_leaving_the_per_step_collectives_unparsed_changes_no_bucket(tmp_path: Path, seed: int,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The accounting reads neither the per-step collectives' begin lines nor their spans: the same buckets, steps
+    and shading to the µs as reading every line, on generated runs that fail inside those collectives."""
+    rng = random.Random(seed)
+    steps, writers, done, t = rng.randint(2, 25), [], 0, 50 * S
+    while done < steps and len(writers) < 5:
+        w = Writer(t)
+        first = max(done - rng.randint(0, 3), 0) + 1
+        fail = rng.randint(first, steps) if rng.random() < 0.6 and len(writers) < 4 else None
+        _collective_attempt(w, rng, len(writers) + 1, first, steps, fail)
+        done = steps if fail is None else max(fail - 1, 0)
+        writers.append(w)
+        t = w.t + int(rng.uniform(0.5, 5) * S)
+    run = _run_dir(tmp_path, writers)
+    fast = goodput.account(run)
+    monkeypatch.setattr(goodput, "_UNREAD", ())
+    monkeypatch.setattr(goodput, "PER_STEP_OPS", ())
+    full = goodput.account(run)
+    assert fast.to_json() == full.to_json() and fast.segments == full.segments, seed
+    _check_sums(fast)

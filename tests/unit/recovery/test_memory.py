@@ -135,3 +135,32 @@ def test_copies_that_cannot_fit_are_refused_before_launch(tmp_path: Path) -> Non
                                      "checkpoint": {"memory": {"every_steps": 2, "dir": str(tmp_path / "none")}}})
     with pytest.raises(PolicyError, match=r"checkpoint\.memory\.dir"):
         check_memory_tier(missing, 4)
+
+
+def test_copies_are_written_in_order_on_one_thread_that_outlives_an_error_and_leaves_when_stopped() -> None:
+    import threading
+
+    from lifecycle.recovery.memory import _Writer
+
+    writer = _Writer(rank=3)
+    seen: list[tuple[int, str]] = []
+    release = threading.Event()
+
+    def write(n: int) -> None:
+        if n == 0:
+            release.wait(10)  # the next copy is handed over while this one runs
+        seen.append((n, threading.current_thread().name))
+        if n == 1:
+            raise RuntimeError("a write that fails")  # recorded by the write itself in the tier
+
+    first = writer.submit(lambda: write(0))
+    second, third = writer.submit(lambda: write(1)), writer.submit(lambda: write(2))
+    assert first.is_alive() and second.is_alive()
+    release.set()
+    for copy in (first, second, third):
+        copy.join(10)
+        assert not copy.is_alive()
+    assert seen == [(0, "lifecycle-memory-r3"), (1, "lifecycle-memory-r3"), (2, "lifecycle-memory-r3")]
+    writer.stop()
+    writer.thread.join(10)
+    assert not writer.thread.is_alive()

@@ -100,3 +100,13 @@ def test_a_stop_or_the_deadline_cuts_the_drawing_short_and_says_how_to_draw_it(
     said = "a stop signal came" if why == "stop" else "not done in 0s"
     assert f"trace    not drawn ({said}): draw it with `lifecycle timeline {tmp_path}`" in capsys.readouterr().out
     assert not (tmp_path / "trace.json").exists() and not list(tmp_path.glob(".*"))  # nor half of one
+
+
+def test_a_drawing_that_fails_is_said_and_changes_nothing_else(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "events").mkdir()  # nothing in it: `lifecycle timeline` refuses, with why
+    drawing = start_end_of_job(tmp_path, "trace")
+    assert drawing is not None
+    drawing.finish()
+    out, err = capsys.readouterr()
+    assert "no events in" in err and f"trace    not written (exit 2): `lifecycle timeline {tmp_path}` says why" in out

@@ -150,7 +150,8 @@ class _Copy:
 class _Writer:
     """The tier's background thread, one per round, started at the first copy: each later copy is a queue put on the
     training thread (starting a thread per copy made the training thread wait until the new one ran: ~2 ms a copy
-    with four ranks on two cores)."""
+    with four ranks on two cores). A daemon thread, not a ``ThreadPoolExecutor``: an executor's worker is joined at
+    interpreter exit, and a copy stuck in a collective with a dead peer must not hold the process."""
 
     def __init__(self, rank: int) -> None:
         self.copies: queue.SimpleQueue[_Copy | None] = queue.SimpleQueue()
@@ -191,8 +192,8 @@ class MemoryTier:
     """Steps rejected after an earlier restore (:mod:`lifecycle.recovery.rejections`): never restored again."""
     group: ProcessGroup | None = None
     writer: _Writer | None = None
-    thread: _Copy | None = None
-    """The copy in flight on the writer's thread."""
+    in_flight: _Copy | None = None
+    """The copy the writer's thread has not finished."""
     done: Written | None = None
     broken: str | None = None
     """Why copies stopped for this round (a failed exchange or agreement leaves the group unusable; the copies
@@ -258,7 +259,7 @@ class MemoryTier:
         deadline = ctx.deadline("checkpoint")
         if self.writer is None:
             self.writer = _Writer(self.rank)
-        self.thread = self.writer.submit(functools.partial(self._write, step, state, group, deadline,
+        self.in_flight = self.writer.submit(functools.partial(self._write, step, state, group, deadline,
                                                            ctx.progress.last_loss, ck.check_finite, replicas))
 
     def _write(self, step: int, state: object, group: ProcessGroup | None, deadline: float,
@@ -350,13 +351,13 @@ class MemoryTier:
         """Wait for the copy in flight (bounded by the checkpoint deadline) and record what became of it; with
         ``verdict`` a copy its checks refused fails this rank (:class:`~lifecycle.errors.BadState`: the odd replicas,
         a non-finite state), otherwise it is only logged."""
-        thread, self.thread = self.thread, None
-        if thread is None:
+        copy, self.in_flight = self.in_flight, None
+        if copy is None:
             return
         deadline = ctx.deadline("checkpoint") if timeout_s is None else timeout_s
         with ctx.events.span("memory_wait") as extra:
-            thread.join(deadline)
-            if thread.is_alive():
+            copy.join(deadline)
+            if copy.is_alive():
                 self.broken = f"the copy in flight did not finish in {deadline:g}s"
                 extra["error"] = self.broken
                 log.error("memory tier: %s; no more copies this round", self.broken)
@@ -381,9 +382,9 @@ class MemoryTier:
             replica_verdict(ctx, found, done.step, "memory")
 
     def poll(self, ctx: RunContext) -> None:
-        """At a step boundary: the verdict of a copy whose thread has finished (a refused copy fails this rank
+        """At a step boundary: the verdict of a copy the writer has finished (a refused copy fails this rank
         here, with :class:`~lifecycle.errors.BadState`); nothing while it runs."""
-        if self.thread is not None and not self.thread.is_alive():
+        if self.in_flight is not None and not self.in_flight.is_alive():
             self.finish(ctx)
 
     # ---- start: the lineage, the restore -----------------------------------------------------------------------
@@ -519,7 +520,7 @@ class MemoryTier:
     def close(self, ctx: RunContext, *, finished: bool, wait_s: float | None = None) -> None:
         """Wait for a copy in flight (``wait_s``, else the checkpoint deadline); on a finished run remove this
         rank's copies: the run is over and the persistent tier holds what it saved."""
-        if self.thread is not None:
+        if self.in_flight is not None:
             self.finish(ctx, timeout_s=wait_s, verdict=False)
         if self.writer is not None:
             self.writer.stop()

@@ -101,7 +101,7 @@ class Identity:
 class TierHandle(Protocol):
     """What teardown needs of the memory tier (:class:`lifecycle.recovery.memory.MemoryTier`)."""
 
-    group: ProcessGroup | None
+    def release_groups(self) -> list[ProcessGroup]: ...
 
     def close(self, ctx: RunContext, *, finished: bool, wait_s: float | None = None) -> None: ...
 
@@ -124,7 +124,7 @@ class Communicators:
     ckpt_group: ProcessGroup | None = None
     """The dedicated gloo group of ``checkpoint.coordination: gloo`` (created at the first save)."""
     memory: TierHandle | None = None
-    """The round's in-memory checkpoint tier (:class:`lifecycle.recovery.memory.MemoryTier`: its gloo group and the
+    """The round's in-memory checkpoint tier (:class:`lifecycle.recovery.memory.MemoryTier`: its pair groups and the
     copy in flight), made at the start of training when ``checkpoint.memory.every_steps`` is set."""
     adopted_world: bool = False
     """The default process group was the trainer's (made before ``attach``): lifecycle never aborts or destroys it."""

@@ -234,8 +234,7 @@ def _own_groups(ctx: RunContext) -> list[ProcessGroup]:
     groups, ctx.comms.ckpt_group = [ctx.comms.ckpt_group], None
     tier = ctx.comms.memory
     if tier is not None:
-        groups.append(tier.group)
-        tier.group = None
+        groups += tier.release_groups()
     return [g for g in groups if g is not None]
 
 

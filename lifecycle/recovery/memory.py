@@ -4,9 +4,14 @@ replicated to a buddy rank on another node, restored by the next attempt after a
 At every ``memory.every_steps``-th step boundary each rank takes a copy of its state (the step handler's
 ``memory_state``: CPU tensors, on the training thread) after checking that every tensor is finite
 (:mod:`lifecycle.recovery.state_check`). A background thread writes the copy into the node's folder
-(:mod:`lifecycle.recovery.copies`), exchanges it with the buddy over a dedicated gloo group (sizes first, then the
+(:mod:`lifecycle.recovery.copies`), exchanges it with the buddy over a gloo group of the two (sizes first, then the
 bytes) and, once every rank says both are written, drops the older copies; each wait bounded by the checkpoint
 deadline. The next copy waits for the previous one.
+
+Nothing here grows with the world size: the bytes go over pair groups made by their two members only
+(:mod:`lifecycle.distributed.pairs`: one socket per pair, two pairs a rank), and what every rank must agree on — the
+copies are written, the replicas' digests match, the lineage, the step to restore — goes through the store
+(:mod:`lifecycle.distributed.agree`: a few calls and one barrier per rank), never a world collective.
 
 At resume (every rank, before the persistent tier) the ranks agree on the newest step that **every** rank holds —
 its own copy, or the one its buddy holds for it — checked against its record and digest and bound to this run's
@@ -17,7 +22,6 @@ loaded, or the persistent tier resumes as before. Steps are never mixed across r
 
 from __future__ import annotations
 
-import datetime
 import functools
 import io
 import logging
@@ -31,6 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lifecycle.checkpoint import binding, ckptdir
+from lifecycle.distributed.agree import Agreements
 from lifecycle.errors import CheckpointError
 from lifecycle.recovery import copies as files
 from lifecycle.recovery import rejections
@@ -38,9 +43,9 @@ from lifecycle.recovery.state_check import (
     Diverged,
     ReplicaPlan,
     ReplicaRows,
-    compare_rows,
     first_nonfinite,
     refuse_nonfinite,
+    replica_digests,
     replica_plan,
     replica_rows,
     replica_verdict,
@@ -58,6 +63,9 @@ SLOTS = 4
 """Copies per rank and folder that take part in the agreement (``keep`` is at most 2)."""
 REJECTED = 8
 """Rejected steps of the lineage rank 0 reads and sends (the newest: older ones are below any copy kept)."""
+_COPY, _OWN, _HELD = 1, 2, 3
+"""Message tags on the pair groups: a copy's bytes, the steps a rank owns, the steps it holds for its ward (with two
+nodes the buddy and the ward are one rank, and both rows go to it)."""
 
 
 def ranks_per_node(world: int) -> int:
@@ -190,7 +198,12 @@ class MemoryTier:
     bound: files.Bound | None = None
     rejected: set[int] = field(default_factory=set)
     """Steps rejected after an earlier restore (:mod:`lifecycle.recovery.rejections`): never restored again."""
-    group: ProcessGroup | None = None
+    pairs: dict[int, ProcessGroup] = field(default_factory=dict)
+    """The pair groups with the buddy and the ward, by their rank (one when they are the same rank)."""
+    agree: Agreements | None = None
+    """The training thread's agreements (start, restore), on the default group's store client."""
+    agree_bg: Agreements | None = None
+    """The writer thread's agreements, on a client of its own (a client serialises its calls)."""
     writer: _Writer | None = None
     in_flight: _Copy | None = None
     """The copy the writer's thread has not finished."""
@@ -208,32 +221,37 @@ class MemoryTier:
                    buddy_of(ctx.rank, ctx.world_size, per_node) if pair else None,
                    ward_of(ctx.rank, ctx.world_size, per_node) if pair else None)
 
-    # ---- the group ---------------------------------------------------------------------------------------------
-    def _group(self, ctx: RunContext) -> ProcessGroup | None:
-        """The tier's gloo group over every rank (made at the same point on every rank: the start of training)."""
+    # ---- the pairs and the agreements ----------------------------------------------------------------------------
+    def _connect(self, ctx: RunContext) -> bool:
+        """The pair groups and the agreements (made once, on the training thread, at the same point on every rank:
+        the tier's start). False where there is nobody to agree with (one rank, no process group)."""
         import torch.distributed as dist
 
-        if self.group is None and dist.is_initialized() and self.world > 1:
-            self.group = dist.new_group(backend="gloo",
-                                        timeout=datetime.timedelta(seconds=ctx.deadline("checkpoint")))
-        return self.group
+        if self.agree is not None:
+            return True
+        if not dist.is_initialized() or self.world < 2:
+            return False
+        from lifecycle.distributed.pairs import make_pairs
+
+        if self.buddy is not None:
+            self.pairs = make_pairs(self.rank, self.world, ranks_per_node(self.world), ctx.deadline("checkpoint"))
+        store = ctx.require_store()
+        ranks = list(range(self.world))
+        round_ = f"{ctx.attempt}/{ctx.comms.restart_round}"
+        self.agree = Agreements(store, self.rank, ranks, f"memory/{round_}/main", phase="checkpoint", group="memory")
+        self.agree_bg = Agreements(store.clone(), self.rank, ranks, f"memory/{round_}/copies", phase="checkpoint",
+                                   group="memory")
+        return True
+
+    def release_groups(self) -> list[ProcessGroup]:
+        """The tier's process groups, forgotten here (teardown destroys them in a trainer's process)."""
+        groups, self.pairs = list(dict.fromkeys(self.pairs.values())), {}
+        return groups
 
     def _wait(self, works: Sequence[Work], what: str, ranks: list[int], deadline: float) -> None:
         from lifecycle.distributed.collectives import wait_works
 
         wait_works(works, what, "memory", ranks, deadline, time.monotonic())
-
-    def _gather(self, row: torch.Tensor, what: str, deadline: float) -> list[torch.Tensor]:
-        """Every rank's ``row`` (an all-gather on the tier's group, bounded; this rank's alone without one)."""
-        import torch
-        import torch.distributed as dist
-
-        if self.group is None:
-            return [row]
-        rows = [torch.zeros_like(row) for _ in range(self.world)]
-        work = dist.all_gather(rows, row, group=self.group, async_op=True)
-        self._wait([work], f"all_gather({what})", list(range(self.world)), deadline)
-        return rows
 
     # ---- copies ------------------------------------------------------------------------------------------------
     def save(self, ctx: RunContext, step: int) -> None:
@@ -248,7 +266,6 @@ class MemoryTier:
         take = getattr(ctx.require_step_handler(), "memory_state", None)
         if self.bound is None or not callable(take) or self.broken is not None:
             return
-        group = self._group(ctx)
         ck = ctx.policy.checkpoint
         handler = ctx.require_step_handler()
         with ctx.events.span("memory_save", step=step):
@@ -259,10 +276,10 @@ class MemoryTier:
         deadline = ctx.deadline("checkpoint")
         if self.writer is None:
             self.writer = _Writer(self.rank)
-        self.in_flight = self.writer.submit(functools.partial(self._write, step, state, group, deadline,
+        self.in_flight = self.writer.submit(functools.partial(self._write, step, state, deadline,
                                                            ctx.progress.last_loss, ck.check_finite, replicas))
 
-    def _write(self, step: int, state: object, group: ProcessGroup | None, deadline: float,
+    def _write(self, step: int, state: object, deadline: float,
                loss: float | None = None, finite: bool = False,
                replicas: ReplicaPlan | ReplicaRows | None = None) -> None:
         """The background thread: the copy's checks, this rank's copy, the exchange with the buddies, then — once
@@ -279,8 +296,8 @@ class MemoryTier:
             assert self.bound is not None
             done.nonfinite = first_nonfinite(state) if finite else None
             rows = replicas.rows() if isinstance(replicas, ReplicaPlan) else replicas
-            if rows is not None and group is not None:
-                done.diverged = self._compare(rows, group, deadline)
+            if rows is not None and self.agree_bg is not None:
+                done.diverged = self._compare(rows, self.agree_bg, step, deadline)
                 done.checked = [name for name, ranks, _ in rows.groups if ranks]
             refused = done.refused(self.rank)
             blob = b""
@@ -289,12 +306,12 @@ class MemoryTier:
                 torch.save(state, buf)
                 blob = buf.getvalue()
                 done.bytes = files.write(own, step, self.rank, blob, self.bound, loss)
-            if group is not None and self.buddy is not None and self.ward is not None:
-                got = self._exchange(blob, group, deadline)
+            if self.pairs and self.buddy is not None and self.ward is not None:
+                got = self._exchange(blob, deadline)
                 held = files.held_dir(self.base, self.ward)
                 if got:  # an empty one: the ward refused its copy
                     done.held = files.write(held, step, self.ward, got, self.bound)
-            if self._everyone_wrote(group, deadline, ok=not refused and not done.diverged):
+            if self._everyone_wrote(step, deadline, ok=not refused and not done.diverged):
                 files.prune(own, self.keep)
                 if held is not None:
                     files.prune(held, self.keep)
@@ -303,47 +320,35 @@ class MemoryTier:
         done.write_s = time.perf_counter() - t0
         self.done = done
 
-    def _compare(self, rows: ReplicaRows, group: ProcessGroup, deadline: float) -> list[Diverged]:
-        """Every rank's replica digests (two all-gathers on the tier's group: the sizes, then the padded rows),
-        compared for this rank's groups."""
-        import torch
+    def _compare(self, rows: ReplicaRows, agree: Agreements, step: int, deadline: float) -> list[Diverged]:
+        """This rank's replica groups whose digests disagree, through the store (:func:`replica_digests`)."""
+        return replica_digests(agree, rows, f"replica digests of step {step}", deadline)
 
-        size = torch.tensor([rows.payload.numel()], dtype=torch.int64)
-        sizes = [int(t.item()) for t in self._gather(size, "replica digest sizes", deadline)]
-        padded = torch.zeros(max(sizes), dtype=torch.int64)
-        padded[:rows.payload.numel()] = rows.payload
-        gathered = self._gather(padded, "replica digests", deadline)
-        return compare_rows(rows, {r: g[:sizes[r]].tolist() for r, g in enumerate(gathered)})
-
-    def _everyone_wrote(self, group: ProcessGroup | None, deadline: float, ok: bool = True) -> bool:
-        """Every rank wrote its copy (and the one it holds) and none refused it (``ok``): an all-reduce on the
-        tier's group (``ok`` alone)."""
-        import torch
-        import torch.distributed as dist
-
-        if group is None:
+    def _everyone_wrote(self, step: int, deadline: float, ok: bool = True) -> bool:
+        """Every rank wrote its copy (and the one it holds) and none refused it (``ok``): a store agreement
+        (``ok`` alone with one rank)."""
+        if self.agree_bg is None:
             return ok
-        flag = torch.ones(1, dtype=torch.int64) * int(ok)
-        work = dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group, async_op=True)
-        self._wait([work], "all_reduce(memory copies written)", list(range(self.world)), deadline)
-        return bool(flag.item())
+        return self.agree_bg.all_true(f"memory copies of step {step} written", ok, deadline)
 
-    def _exchange(self, blob: bytes, group: ProcessGroup, deadline: float) -> bytes:
-        """Send ``blob`` to the buddy and receive the ward's."""
+    def _exchange(self, blob: bytes, deadline: float) -> bytes:
+        """Send ``blob`` to the buddy and receive the ward's (over the two pair groups)."""
         import torch
         import torch.distributed as dist
 
         assert self.buddy is not None and self.ward is not None
+        to_buddy, from_ward = self.pairs[self.buddy], self.pairs[self.ward]
         size, got = torch.tensor([len(blob)], dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
-        works = [dist.isend(size, self.buddy, group=group), dist.irecv(got, self.ward, group=group)]
+        works = [dist.isend(size, self.buddy, group=to_buddy, tag=_COPY),
+                 dist.irecv(got, self.ward, group=from_ward, tag=_COPY)]
         self._wait(works, "memory copy sizes", [self.buddy, self.ward], deadline)
         works = []
         out = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else None  # alive until sent
         if out is not None:
-            works.append(dist.isend(out, self.buddy, group=group))
+            works.append(dist.isend(out, self.buddy, group=to_buddy, tag=_COPY))
         incoming = torch.empty(int(got.item()), dtype=torch.uint8)
         if incoming.numel():
-            works.append(dist.irecv(incoming, self.ward, group=group))
+            works.append(dist.irecv(incoming, self.ward, group=from_ward, tag=_COPY))
         self._wait(works, "memory copy bytes", [self.buddy, self.ward], deadline)
         return incoming.numpy().tobytes() if incoming.numel() else b""
 
@@ -390,9 +395,8 @@ class MemoryTier:
     # ---- start: the lineage, the restore -----------------------------------------------------------------------
     def start(self, ctx: RunContext) -> int:
         """Agree on the lineage (global rank 0's), bind this run's copies to it, remove copies bound to anything
-        else; the persistent tracker's step as every rank read it (the largest). Every rank calls it, first."""
-        import torch
-
+        else; the persistent tracker's step as every rank read it (the largest). Every rank calls it, first: it makes
+        the pair groups (their members, in a fixed order) and agrees through the store."""
         ck = ctx.policy.checkpoint
         lineage, tracked, rejected = 0, -1, []
         if ctx.rank == 0:
@@ -401,13 +405,14 @@ class MemoryTier:
         tracker = ckptdir.read_tracker(Path(ck.dir))
         if tracker.name is not None and tracker.error is None:
             tracked = ckptdir.step_of(tracker.name) or 0
-        self._group(ctx)
-        row = torch.full((2 + REJECTED,), -1, dtype=torch.int64)
-        row[0], row[1] = lineage, tracked
-        row[2:2 + len(rejected)] = torch.tensor(rejected, dtype=torch.int64)
-        rows = self._gather(row, "memory lineage", ctx.deadline("checkpoint"))
-        lineage, tracked = int(rows[0][0]), max(int(r[1]) for r in rows)
-        self.rejected = {int(s) for s in rows[0][2:] if s >= 0}  # rank 0's reading of the rejected steps
+        self.rejected = {int(s) for s in rejected}
+        if self._connect(ctx):
+            assert self.agree is not None
+            deadline = ctx.deadline("checkpoint")
+            given = self.agree.from_rank("memory lineage", 0, [lineage, rejected], deadline)
+            assert isinstance(given, list)
+            lineage, self.rejected = int(given[0]), {int(s) for s in given[1]}  # rank 0's reading of both
+            tracked = self.agree.largest("tracked step", tracked + 1, deadline) - 1
         self.bound = files.Bound(self.world, binding.layout(ctx.policy, self.world, own_loop=ctx.own_loop),
                                  binding.options(ctx.policy, own_loop=ctx.own_loop), lineage)
         return tracked
@@ -430,7 +435,6 @@ class MemoryTier:
         """Resume from the newest step every rank holds, when it is not older than the tracker's ``tracked``:
         True when every rank loaded it; False when a load ran and failed on some rank (the state may be partly
         loaded: the persistent tier must load over it); None when no copy was used."""
-        import torch
 
         own = self._usable(files.own_dir(self.base, self.rank), self.rank)
         held = self._usable(files.held_dir(self.base, self.ward), self.ward) if self.ward is not None else []
@@ -438,31 +442,28 @@ class MemoryTier:
             log.warning("memory copies of steps %s not used: rejected after an earlier restore (%s)",
                         sorted(self.rejected & set(own + held)), Path(ctx.policy.checkpoint.dir) / rejections.NAME)
             own, held = [s for s in own if s not in self.rejected], [s for s in held if s not in self.rejected]
-        row = torch.full((2 * SLOTS,), -1, dtype=torch.int64)
-        row[:len(own)] = torch.tensor(own, dtype=torch.int64)
-        row[SLOTS:SLOTS + len(held)] = torch.tensor(held, dtype=torch.int64)
-        group = self._group(ctx)
+        held_for_me, ward_owns = self._swap_holdings(own, held, ctx.deadline("checkpoint"))
+        floor = max(tracked, 1)
+        mine = {s for s in set(own) | held_for_me if s >= floor}  # what this rank can load: its own, or its buddy's
         deadline = ctx.deadline("checkpoint")
-        rows = self._gather(row, "memory copies", deadline)
-        owns = [{int(s) for s in r[:SLOTS] if s >= 0} for r in rows]
-        helds = [{int(s) for s in r[SLOTS:] if s >= 0} for r in rows]
-        per_node = ranks_per_node(self.world)
-        best = choose(owns, helds, per_node if self.buddy is not None else None, tracked)
+        best = self.agree.newest_common("memory copies", mine, deadline) if self.agree is not None else \
+            max(mine, default=None)
         if best is None:
-            if any(owns) or any(helds):
+            if own or held:
                 ctx.events.instant("memory_restore", used=False, tracked=tracked,
                                    why="no step every rank holds that is newer than the last commit")
             return None
         with ctx.events.span("memory_restore", step=best, tracked=tracked, deadline="checkpoint") as extra:
-            blob = self._transfer(best, owns, group, deadline)
+            blob = self._transfer(best, best in own, best in ward_owns, deadline)
             failed = self._load(ctx, blob, best)
-            agreed = [r for r, t in enumerate(self._gather(torch.tensor([int(failed)]),
-                                                            f"memory restore of step {best}", deadline)) if int(t[0])]
-            extra["moved"] = sorted(r for r in range(self.world) if best not in owns[r])
-            extra["failed"] = agreed
-        if agreed:
-            log.warning("memory copy of step %d did not load on ranks %s; resuming from the persistent tier", best,
-                        agreed)
+            loaded = self.agree.all_true(f"memory restore of step {best}", not failed, deadline) \
+                if self.agree is not None else not failed
+            extra["moved"] = best not in own  # this rank's copy came from its buddy
+            extra["failed"] = failed
+            extra["everywhere"] = loaded
+        if not loaded:
+            log.warning("memory copy of step %d did not load on %s; resuming from the persistent tier", best,
+                        "this rank" if failed else "some rank")
             return False
         ctx.progress.step = best
         ctx.progress.resumed_from = best
@@ -476,25 +477,52 @@ class MemoryTier:
             print(f"{again}resumed from step {best} (memory copies; last committed checkpoint: {last})", flush=True)
         return True
 
-    def _transfer(self, step: int, owns: list[set[int]], group: ProcessGroup | None, deadline: float) -> bytes | None:
-        """This rank's copy of ``step``: its own, or sent by its buddy (who sends what it holds to whoever lacks it)."""
+    def _swap_holdings(self, own: list[int], held: list[int], deadline: float) -> tuple[set[int], set[int]]:
+        """Over the pairs: the steps the buddy holds for this rank, and the steps the ward holds of its own (each
+        rank sends its own steps to its buddy and what it holds to its ward). Empty sets without buddies."""
         import torch
         import torch.distributed as dist
 
-        mine = files.read(files.own_dir(self.base, self.rank), step) if step in owns[self.rank] else None
-        if group is None or self.buddy is None or self.ward is None:
+        if not self.pairs or self.buddy is None or self.ward is None:
+            return set(), set()
+
+        def row(steps: list[int]) -> torch.Tensor:
+            out = torch.full((SLOTS,), -1, dtype=torch.int64)
+            out[:len(steps[:SLOTS])] = torch.tensor(steps[:SLOTS], dtype=torch.int64)
+            return out
+
+        sent = [row(own), row(held)]
+        from_buddy, from_ward = torch.zeros(SLOTS, dtype=torch.int64), torch.zeros(SLOTS, dtype=torch.int64)
+        works = [dist.isend(sent[0], self.buddy, group=self.pairs[self.buddy], tag=_OWN),
+                 dist.isend(sent[1], self.ward, group=self.pairs[self.ward], tag=_HELD),
+                 dist.irecv(from_buddy, self.buddy, group=self.pairs[self.buddy], tag=_HELD),
+                 dist.irecv(from_ward, self.ward, group=self.pairs[self.ward], tag=_OWN)]
+        self._wait(works, "memory copies held", [self.buddy, self.ward], deadline)
+        return {int(s) for s in from_buddy if s >= 0}, {int(s) for s in from_ward if s >= 0}
+
+    def _transfer(self, step: int, have: bool, ward_has: bool, deadline: float) -> bytes | None:
+        """This rank's copy of ``step``: its own (``have``), or sent by its buddy (who sends what it holds to a ward
+        that lacks it: ``ward_has`` False)."""
+        import torch
+        import torch.distributed as dist
+
+        mine = files.read(files.own_dir(self.base, self.rank), step) if have else None
+        if not self.pairs or self.buddy is None or self.ward is None:
             return mine
+        to_ward, from_buddy = self.pairs[self.ward], self.pairs[self.buddy]
         works: list[Work] = []
         keep: list[torch.Tensor] = []  # alive until the sends complete
-        if step not in owns[self.ward]:  # my ward lost its copy: send it the one I hold
+        if not ward_has:  # my ward lost its copy: send it the one I hold
             data = files.read(files.held_dir(self.base, self.ward), step)
             keep += [torch.tensor([len(data)], dtype=torch.int64), torch.frombuffer(bytearray(data), dtype=torch.uint8)]
-            works += [dist.isend(keep[0], self.ward, group=group), dist.isend(keep[1], self.ward, group=group)]
+            works += [dist.isend(keep[0], self.ward, group=to_ward, tag=_COPY),
+                      dist.isend(keep[1], self.ward, group=to_ward, tag=_COPY)]
         size = torch.zeros(1, dtype=torch.int64)
         if mine is None:
-            self._wait([dist.irecv(size, self.buddy, group=group)], "memory restore size", [self.buddy], deadline)
+            self._wait([dist.irecv(size, self.buddy, group=from_buddy, tag=_COPY)], "memory restore size",
+                       [self.buddy], deadline)
             incoming = torch.empty(int(size.item()), dtype=torch.uint8)
-            works.append(dist.irecv(incoming, self.buddy, group=group))
+            works.append(dist.irecv(incoming, self.buddy, group=from_buddy, tag=_COPY))
         self._wait(works, "memory restore bytes", [self.buddy, self.ward], deadline)
         return incoming.numpy().tobytes() if mine is None else mine
 

@@ -8,6 +8,7 @@ from the newest good state (a memory copy or a commit), never from the bad one.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
     import torch
 
     from lifecycle.context import RunContext
+    from lifecycle.distributed.agree import Agreements
 
 log = logging.getLogger(__name__)
 
@@ -318,6 +320,25 @@ def compare_rows(mine: ReplicaRows, payloads: dict[int, list[int]]) -> list[Dive
             k, differ, agree = odd
             out.append(Diverged(name, names[k], differ, agree))
     return out
+
+
+def replica_digests(agree: Agreements, rows: ReplicaRows, what: str, timeout_s: float) -> list[Diverged]:
+    """Every replica group of ``rows`` whose digests disagree, through the store: each rank counts its own digest
+    of each group (:meth:`~lifecycle.distributed.agree.Agreements.alike`); only a group whose count falls short
+    reads its members' digests and compares them (:func:`compare_rows`). Every rank calls it (the agreement's
+    barrier is over every rank)."""
+    payload = rows.payload.tolist()
+    counts = payload[1:1 + payload[0]]
+    mine = []
+    for i, (name, ranks, _) in enumerate(rows.groups):
+        at = 1 + payload[0] + 2 * sum(counts[:i])
+        token = json.dumps([counts[i], payload[at:at + 2 * counts[i]]]).encode()
+        mine.append((name, ranks, token))
+    odd = agree.alike(what, mine, json.dumps(payload).encode(), timeout_s)
+    if not odd:
+        return []
+    narrowed = ReplicaRows([(n, r if n in odd else [], t) for n, r, t in rows.groups], rows.payload)
+    return compare_rows(narrowed, {r: json.loads(p) for got in odd.values() for r, p in got.items()})
 
 
 # ---- the first step after a restore -------------------------------------------------------------------------------

@@ -76,6 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("validate", help="validate a policy; exit 0, or 2 with every error")
     p.add_argument("--print", "-p", action="store_true", dest="show",
                    help="print the resolved policy as YAML (every key, schema defaults included)")
+    p.add_argument("--world-size", "-w", type=_int_in(1, MAX_WORLD_SIZE, ""),
+                   help="also check the plan at this world size: the layout, the open-file limit, the store budget")
+    p.add_argument("--ranks-per-node", type=_int_in(1, 1 << 16, ""), default=8, metavar="N",
+                   help="ranks per node at that world size (default 8)")
     _policy_args(p)
     p = sub.add_parser("explain", help="print the plan and the group layout of one rank")
     p.add_argument("--world-size", "-w", type=_int_in(1, MAX_WORLD_SIZE, ", the largest world size torch "
@@ -148,6 +152,11 @@ def _validate(args: argparse.Namespace) -> int:
                                                                 if args.overrides else ""))
         print(yaml.safe_dump(to_plain(p), sort_keys=False), end="")
         return ExitCode.OK
+    if args.world_size is not None:
+        from lifecycle.machine.cost import limits
+        from lifecycle.machine.explain import layout_for
+
+        limits(p, layout_for(loaded, args.world_size), min(args.ranks_per_node, args.world_size))
     print(f"ok: {loaded.source} (sha256 {sha256(p)[:12]}) train={p.train.kind}x{p.train.steps} "
           f"tp={p.parallelism.tp} pp={p.parallelism.pp} ep={p.parallelism.ep} "
           f"warmup={len(p.warmup.ops)} ops checkpoint every {p.checkpoint.every_steps or 'never'}")

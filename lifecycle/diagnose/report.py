@@ -134,12 +134,12 @@ def _ranks(ranks: list[int]) -> str:
 
 def layout_of(overrides: list[str], config_dir: str | None, config_name: str, world: int) -> Layout:
     """Every group of the policy's layout at ``world`` ranks: name -> its rank lists (as ``explain`` computes)."""
-    from lifecycle.machine.explain import _layout
+    from lifecycle.machine.explain import layout_for
     from lifecycle.policy.load import load
 
     # only the layout matters here: the policy's model (its heads, its experts) must not refuse a foreign job's tp
     neutral = ["train.kind=synthetic", "~train.options"]
-    lay = _layout(load([*neutral, *overrides], config_dir=config_dir, config_name=config_name), world)
+    lay = layout_for(load([*neutral, *overrides], config_dir=config_dir, config_name=config_name), world)
     names = ["tp", "pp", "dp", "cp", "ep", "etp", "edp", "dp_cp", "mp", "tp_dp", "tp_ep", "world"]
     out: Layout = {}
     for name in names:

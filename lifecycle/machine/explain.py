@@ -15,6 +15,7 @@ from lifecycle.distributed.layout import MAX_WORLD_SIZE, Layout, RankSet
 from lifecycle.distributed.ranks import fmt_ranks
 from lifecycle.errors import PolicyError
 from lifecycle.jsontypes import JsonDict
+from lifecycle.machine.cost import cost
 from lifecycle.machine.plan import Plan, WarmTarget, build_plan
 from lifecycle.policy import installed
 from lifecycle.policy.checks import world_issues
@@ -52,7 +53,7 @@ class LayoutView:
         return sorted(targets, key=lambda t: GROUP_NAMES.index(t.names[0]))
 
 
-def _layout(loaded: Loaded, world_size: int) -> Layout:
+def layout_for(loaded: Loaded, world_size: int) -> Layout:
     from lifecycle.distributed.layout import build_layout
 
     issues = world_issues(loaded.policy, world_size)
@@ -109,10 +110,11 @@ def explain(loaded: Loaded, world_size: int | None, rank: int, ranks_per_node: i
                            "description": loaded.policy.description}
     view = None
     if world_size is not None:
-        layout = _layout(loaded, world_size)
+        layout = layout_for(loaded, world_size)
         view = LayoutView(layout, rank)
         out.update(world_size=world_size, rank=rank, layout=group_summary(layout, rank),
-                   comm_memory=comm_memory(loaded, layout, rank, ranks_per_node))
+                   comm_memory=comm_memory(loaded, layout, rank, ranks_per_node),
+                   control_plane=cost(loaded.policy, layout, rank, ranks_per_node))
     plan: Plan = build_plan(loaded.policy, view)
     out["plan"] = plan.as_dict()
     out["sources"] = {k: o.as_dict() for k, o in provenance(loaded).items()}
@@ -160,6 +162,8 @@ def render(info: JsonDict) -> str:
         if cm.get("unused_by_job"):
             lines.append(f"  never used by the job's collectives: {', '.join(cm['unused_by_job'])}: "
                          f"{cm['unused_bytes'] / 2**20:.1f} MiB (warmup.groups: used does not create them)")
+    if "control_plane" in info:
+        lines += _control_lines(info["control_plane"])
     if info.get("timeouts"):
         lines += ["", "timeouts (every clock that bounds the job; validate refuses orderings that cannot work)"]
         for t in info["timeouts"]:
@@ -175,3 +179,23 @@ def render(info: JsonDict) -> str:
             when = f" (when {a['when']})" if a.get("when") and a["op"] != "sequence_check" else ""
             lines.append(f"  {i:>2}. {a['op']:<32} {group + alias:<28} {dl:<16} {a.get('detail', '')}{when}".rstrip())
     return "\n".join(lines)
+
+
+def _control_lines(cp: JsonDict) -> list[str]:
+    """The control plane's figures (:mod:`lifecycle.machine.cost`)."""
+    lines = ["", f"control plane (rank {cp['rank']} of {cp['world_size']}, {cp['ranks_per_node']} ranks per node)",
+             f"  gloo sockets per rank: {cp['sockets_total']} ({cp['lifecycle_sockets']} of them lifecycle's own)"]
+    for s in cp["sockets"]:
+        lines.append(f"    {s['what']:<32} {s['count']:>6}  {s['owner']}'s; lowered by {s['lower']}")
+    budget = cp["store_budget_calls_per_s"]
+    over = f" (over the budget of {budget:g}: validate -w and run refuse it)" \
+        if budget is not None and cp["server_calls_per_s"] > budget else ""
+    lines += [f"  store clients per rank: {cp['store_clients']} (the store's server holds "
+              f"{cp['server_connections']} connections); store calls per rank and poll: "
+              f"{cp['store_calls_per_poll']} (rank 0: {cp['rank0_store_calls_per_poll']:g}), every "
+              f"{cp['poll_interval_s']:g}s",
+              f"  the store's server: {cp['server_calls_per_s']:g} calls/s for the job{over}",
+              f"  rank 0 reads {cp['rank0_bytes_per_poll']} bytes per poll"
+              + (" (every rank's record for the straggler view, spread over its period)" if cp["rank0_full_view"]
+                 else "")]
+    return lines

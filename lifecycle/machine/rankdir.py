@@ -37,6 +37,7 @@ def preflight(policy: Policy, world_size: int, ranks_per_node: int | None = None
     local = os.environ.get("LOCAL_WORLD_SIZE", "")
     per_node = ranks_per_node or (int(local) if local.isdigit() and int(local) > 0 else min(world_size, 8))
     checks.check_comm_budget(policy, world_size, per_node)
+    checks.check_control_plane(policy, world_size, per_node)
     checks.check_memory_tier(policy, per_node)
     checks.events_flush_every()
     ck = policy.checkpoint  # the folders themselves were checked when the run directory was taken (own_run_dir)

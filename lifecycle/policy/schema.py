@@ -266,6 +266,10 @@ class WatchdogConfig(Section):
     """How auto deadlines (deadlines.step / deadlines.checkpoint: auto) follow what the job does."""
     straggler: StragglerConfig = StragglerConfig()
     """Naming ranks that are persistently slower than their peers (the job goes on)."""
+    store_budget_calls_per_s: float | None = Field(11500.0, gt=0)
+    """The store calls per second the watchdogs of all ranks may ask of the rendezvous store's one server (5 a rank
+    per poll): validate -w and run refuse a world size over it, naming the poll interval that fits. The default is a
+    quarter of what one server answered on a 2-core machine (bench/scale.py); null: no budget."""
 
 
 class FaultDrill(Section):

@@ -239,8 +239,11 @@ class MemoryTier:
         ranks = list(range(self.world))
         round_ = f"{ctx.attempt}/{ctx.comms.restart_round}"
         self.agree = Agreements(store, self.rank, ranks, f"memory/{round_}/main", phase="checkpoint", group="memory")
-        self.agree_bg = Agreements(store.clone(), self.rank, ranks, f"memory/{round_}/copies", phase="checkpoint",
-                                   group="memory")
+        from lifecycle.watchdog.sidechannel import CLIENTS
+
+        with CLIENTS:  # one client made at a time in a process (see CLIENTS)
+            own = store.clone()
+        self.agree_bg = Agreements(own, self.rank, ranks, f"memory/{round_}/copies", phase="checkpoint", group="memory")
         return True
 
     def release_groups(self) -> list[ProcessGroup]:

@@ -61,9 +61,19 @@ Refusal = Callable[["WatchedRun", "str | None", str], "str | None"]
 """Why a failure of a cause in a phase cannot be restarted in place (:func:`lifecycle.recovery.inprocess.refusal`)."""
 CONNECT_ATTEMPT_S = 1.0  # one attempt of the side channel's connect (retried until the init deadline)
 CONNECT_VALIDATE_S = 10.0
+AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"  # "True": the launcher hosts the store (torchrun, lifecycle run)
 """The client's handshake once the port answers: on an overloaded node (ten SLURM jobs' ranks importing torch on two
 CPUs) a store took over 3 s, and a timed-out handshake is torch's C++ error line and stack in the rank's log."""
 STRAGGLER_EVERY_S = 1.0  # rank 0 compares the compute medians at most this often
+VIEW_RANKS_PER_S = 128
+"""Records rank 0's straggler view reads per second at most: the view reads every rank's record (about 30 ms of
+rank 0's CPU at 1,024 ranks, bench/scale.py), so it comes every world / 128 s above 128 ranks, and rank 0's CPU per
+poll stays flat in the world size."""
+
+
+def straggler_every_s(world: int) -> float:
+    """How often rank 0 reads every record for the straggler view at ``world`` ranks."""
+    return max(STRAGGLER_EVERY_S, world / VIEW_RANKS_PER_S)
 FRESHEN_MAX = 64  # dead or silent ranks whose events file is read to freshen their record
 FRESH_POLLS = 1.5  # a report waits at most this many polls for the running peers' records published after it
 FULL_VIEW_MAX = 1024  # above this world size a rank reads only the records it needs for its own line
@@ -103,6 +113,8 @@ class Watchdog:
         self._io_main: BoundedChannel[SideChannel] = BoundedChannel(
             self._connect, op_timeout_s=op_timeout, name="lifecycle-failure-io", address=self.store_address,
             start=False)
+        self._premade: list[SideChannel] = []
+        """Clients made on the training thread before the I/O threads start (:meth:`_preconnect`)."""
         self._announced = False
         self._beats = causes.Heartbeats(self.rank, self.world, self.cfg.heartbeat_stale_s)
         straggler = self.cfg.straggler
@@ -119,6 +131,7 @@ class Watchdog:
         import torch.distributed  # noqa: F401
 
         self.ctx.events.listeners.append(self.progress.on_event)
+        self._preconnect()
         self._io.start()
         self._io_main.start()
         self._thread.start()
@@ -136,9 +149,30 @@ class Watchdog:
         if self.progress.on_event in self.ctx.events.listeners:
             self.ctx.events.listeners.remove(self.progress.on_event)
 
+    def _preconnect(self) -> None:
+        """Under a launcher that hosts the store (``lifecycle run``, torchrun: it answers before the rank starts),
+        the two clients are made here, on the training thread, one after the other and before ``init_process_group``
+        makes torch's: no two clients are made at once in a freshly forked rank (``sidechannel.CLIENTS``). Each
+        attempt is bounded (``CONNECT_ATTEMPT_S``); where one fails, the I/O threads connect as before."""
+        if os.environ.get(AGENT_STORE) != "True" or not answers(CONNECT_ATTEMPT_S):
+            return
+        for _ in (self._io, self._io_main):
+            try:
+                store = connect(CONNECT_ATTEMPT_S)
+            except Exception:  # noqa: BLE001 - the I/O thread connects then, with its retries
+                return
+            if store is None:
+                return
+            self._premade.append(SideChannel(store, self.ctx.policy.run.id, self.ctx.comms.restart_round))
+
     def _connect(self) -> SideChannel | None:
         """Runs on an I/O thread, in short attempts until the init deadline (or until the watchdog stops): a
-        thread must never sit in a long C++ call when the interpreter exits."""
+        thread must never sit in a long C++ call when the interpreter exits. A client made by :meth:`_preconnect`
+        is taken first."""
+        try:
+            return self._premade.pop()
+        except IndexError:
+            pass
         deadline = time.monotonic() + self.ctx.deadlines.deadline("init")
         while not self._stop.is_set():
             attempt_s = min(CONNECT_ATTEMPT_S, max(deadline - time.monotonic(), 0.1))
@@ -202,7 +236,7 @@ class Watchdog:
                 self._safe(self._publish_and_beat, io)
             self.fire(cause, self._io)
         elif self._stragglers is not None and time.monotonic() >= self._next_straggler_check:
-            self._next_straggler_check = time.monotonic() + STRAGGLER_EVERY_S
+            self._next_straggler_check = time.monotonic() + straggler_every_s(self.world)
             self._check_stragglers()
 
     def _check_stragglers(self) -> None:

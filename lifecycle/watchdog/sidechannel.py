@@ -23,6 +23,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import threading
 from typing import TYPE_CHECKING
 
 from lifecycle.jsontypes import JsonDict
@@ -31,6 +32,11 @@ if TYPE_CHECKING:
     from torch.distributed import Store
 
 ENV_RESTART = "TORCHELASTIC_RESTART_COUNT"
+CLIENTS = threading.Lock()
+"""Held while lifecycle makes a store client (a new one or a clone): never two at once in one process. A rank forked
+from the preload process died of SIGSEGV in a client's constructor while a second thread was in the same constructor
+(and the main thread in ``init_process_group``); the clients are made one at a time, and under a launcher-hosted store
+before ``init_process_group`` (``Watchdog.start``)."""
 
 
 def connect(timeout_s: float, op_timeout_s: float = 5.0) -> Store | None:
@@ -45,7 +51,8 @@ def connect(timeout_s: float, op_timeout_s: float = 5.0) -> Store | None:
         return None
     from torch.distributed import TCPStore
 
-    store = TCPStore(addr, int(port), None, False, datetime.timedelta(seconds=timeout_s))
+    with CLIENTS:
+        store = TCPStore(addr, int(port), None, False, datetime.timedelta(seconds=timeout_s))
     store.set_timeout(datetime.timedelta(seconds=op_timeout_s))
     return store
 
@@ -85,7 +92,8 @@ class SideChannel:
     def clone(self) -> SideChannel:
         """The same keys on a new connection (for another thread)."""
         other = SideChannel.__new__(SideChannel)
-        other.store, other.prefix = self.store.clone(), self.prefix
+        with CLIENTS:
+            other.store, other.prefix = self.store.clone(), self.prefix
         return other
 
     def announce(self, rank: int, record: JsonDict) -> None:

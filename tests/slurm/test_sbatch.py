@@ -91,7 +91,9 @@ def jobs(slurm: Slurm, tmp_path_factory: pytest.TempPathFactory) -> Jobs:
     ids = {  # the longest first
         "time_limit": submit(*BASE, *slow, sbatch=("--time=1", f"--signal=B:TERM@{LEAD_S}"),
                              LIFECYCLE_SIGNAL_LEAD_S=str(LEAD_S)),
-        "preempted": submit(*BASE, "train.steps=1200", "+train.options.step_sleep_s=0.05",
+        # never finished by itself: on a loaded machine the tests before its own took longer than its 1,200 steps
+        # once, and the test's signal found the job gone; it stops when its test says so
+        "preempted": submit(*BASE, f"train.steps={PREEMPT_STEPS}", "+train.options.step_sleep_s=0.05",
                             "checkpoint.every_steps=1000"),
         "clean": submit(*BASE, "train.steps=6", "checkpoint.every_steps=3"),
         "failure": submit(*BASE, "train.steps=6", "checkpoint.every_steps=2",
@@ -207,7 +209,8 @@ def test_a_preemption_that_signals_the_tasks_requeues_the_unfinished_run_and_it_
     assert _state(job) == ("COMPLETED", "0:0", 1), out
     first, second = out.split(f"lifecycle: job {job_id}, run 2 on")
     [saved] = re.findall(r"\[rank 0\] WARNING lifecycle.phases.train: preempted at step (\d+), saved", first)
-    assert f"preempted at step {saved}, saved (SIGTERM, step {saved} of 1200: unfinished" in first, first[-3000:]
+    assert f"preempted at step {saved}, saved (SIGTERM, step {saved} of {PREEMPT_STEPS}: unfinished" in first, \
+        first[-3000:]
     assert f"the job was preempted (its ranks saved before the last step); requeueing job {job_id}" in first
     assert f"attempt 2: resumed from step {saved} " in second, second[-3000:]
     assert "requeue" not in second

@@ -270,7 +270,9 @@ def run_n(port: int, server_pid: int, world: int, procs: int, seconds: float, di
     start = time.time() + 2.0
     admin.set(f"{RUN_ID}/start", str(start))
     # the frozen rank's neighbour finds its counter stale (here: at half the run) and raises the alarm
-    time.sleep(max(start + seconds / 2 - time.time(), 0))
+    # (0.37 of a poll into a period: the polls of a process come in a burst at each period's start, and an alarm
+    # raised on a boundary would be seen at once; the real ranks' polls are spread, and one waits up to a poll)
+    time.sleep(max(start + seconds / 2 + 0.37 * dilation - time.time(), 0))
     detected = time.time()
     ch.raise_alarm({"rank": frozen - 1, "cause": "unresponsive", "detail": f"rank {frozen} stopped", "t": detected})
     results = [q.get(timeout=seconds + 600) for _ in ps]

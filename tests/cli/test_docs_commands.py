@@ -119,7 +119,9 @@ def _parse(args: tuple[str, ...]) -> tuple[argparse.Namespace | None, str]:
 def _policy_args(ns: argparse.Namespace) -> tuple[str, ...]:
     """The ``validate`` arguments that name the same policy as a run/validate/explain line."""
     config_dir = ("--config-dir", ns.config_dir) if ns.config_dir else ()
-    return (*config_dir, "--config-name", ns.config_name, *ns.overrides)
+    # a validate line's world size is part of what it checks (the plan's limits); explain only shows them
+    world = ("--world-size", str(ns.world_size)) if ns.command == "validate" and ns.world_size else ()
+    return (*world, *config_dir, "--config-name", ns.config_name, *ns.overrides)
 
 
 def _checks() -> dict[tuple[str, ...], list[Command]]:

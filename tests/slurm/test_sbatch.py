@@ -94,7 +94,7 @@ def jobs(slurm: Slurm, tmp_path_factory: pytest.TempPathFactory) -> Jobs:
         # never finished by itself: on a loaded machine the tests before its own took longer than its 1,200 steps
         # once, and the test's signal found the job gone; it stops when its test says so
         "preempted": submit(*BASE, f"train.steps={PREEMPT_STEPS}", "+train.options.step_sleep_s=0.05",
-                            "checkpoint.every_steps=1000"),
+                            "checkpoint.every_steps=100"),
         "clean": submit(*BASE, "train.steps=6", "checkpoint.every_steps=3"),
         "failure": submit(*BASE, "train.steps=6", "checkpoint.every_steps=2",
                           "+faults=[{at: train, ranks: [1], action: crash, step: 3, attempts: [1]}]"),
@@ -200,9 +200,9 @@ def test_a_preemption_that_signals_the_tasks_requeues_the_unfinished_run_and_it_
     # SLURM's preemption (PreemptMode=REQUEUE) signals the job's tasks, not the batch shell: `scancel --signal=TERM`
     # does the same. The ranks save and exit 0 before their last step; the job must not end COMPLETED there.
     job_id = jobs.ids["preempted"]
-    jobs.wait("preempted", until=r"\[rank 0\] train step", timeout_s=120)
+    jobs.wait("preempted", until=r"checkpoint step \d+ committed", timeout_s=150)  # training (and committing) now
     jobs.slurm.tool("scancel", "--signal=TERM", str(job_id))
-    jobs.wait("preempted", until=r"run 2 on .*\n(.*\n)*\[rank 0\] train step", timeout_s=120)
+    jobs.wait("preempted", until=r"run 2 on .*\n(.*\n)*attempt 2: resumed from step", timeout_s=120)
     jobs.slurm.tool("scancel", "--batch", "--signal=INT", str(job_id))
     job = jobs.wait("preempted", timeout_s=60)
     out = jobs.out("preempted")

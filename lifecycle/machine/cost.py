@@ -8,7 +8,7 @@ Pure Python from the policy and the layout (``lifecycle explain --world-size N``
   clients. torch's: the default group on gloo. megatron-core's: its gloo twins of the data-parallel groups. NCCL
   communicators are counted apart (their connections are NCCL's own);
 - store calls per rank and watchdog poll (each rank's watchdog: publish, heartbeat, the alarm, two peers'
-  heartbeats), rank 0's extra reads (the straggler view: every rank's record, every ``max(1, world / 128)`` s, up
+  heartbeats), rank 0's extra reads (the straggler view: every rank's record, every ``max(1, world / 64)`` s, up
   to ``FULL_VIEW_MAX`` ranks), and for the job the calls per second the store's one server answers, the
   connections it holds (every rank's store clients) and the bytes rank 0 reads per poll.
 

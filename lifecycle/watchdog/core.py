@@ -65,9 +65,9 @@ AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"  # "True": the launcher hosts the s
 """The client's handshake once the port answers: on an overloaded node (ten SLURM jobs' ranks importing torch on two
 CPUs) a store took over 3 s, and a timed-out handshake is torch's C++ error line and stack in the rank's log."""
 STRAGGLER_EVERY_S = 1.0  # rank 0 compares the compute medians at most this often
-VIEW_RANKS_PER_S = 128
+VIEW_RANKS_PER_S = 64
 """Records rank 0's straggler view reads per second at most: the view reads every rank's record (about 30 ms of
-rank 0's CPU at 1,024 ranks, bench/scale.py), so it comes every world / 128 s above 128 ranks, and rank 0's CPU per
+rank 0's CPU at 1,024 ranks, bench/scale.py), so it comes every world / 64 s above 64 ranks, and rank 0's CPU per
 poll stays flat in the world size."""
 
 

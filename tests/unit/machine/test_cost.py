@@ -34,7 +34,7 @@ def test_the_store_s_load_is_linear_in_the_world_and_a_rank_s_is_flat() -> None:
     a, b = _cost(1024), _cost(16384)
     assert a["store_calls_per_poll"] == b["store_calls_per_poll"] == POLL_CALLS
     assert b["server_calls_per_s"] == pytest.approx(16 * a["server_calls_per_s"], rel=0.01)  # type: ignore[operator]
-    # rank 0's full view is spread over world / 128 seconds: its bytes per poll stay flat where it reads it
+    # rank 0's full view is spread over world / 64 seconds: its bytes per poll stay flat where it reads it
     assert _cost(1024)["rank0_bytes_per_poll"] == pytest.approx(_cost(512)["rank0_bytes_per_poll"], rel=0.05)
     assert not b["rank0_full_view"]
 

@@ -109,8 +109,9 @@ def tier(ctx: RunContext) -> MemoryTier | None:
 def choose(owns: list[set[int]], helds: list[set[int]], per_node: int | None, tracked: int) -> int | None:
     """The step to restore: the newest that every rank holds — its own copy (``owns[rank]``) or, with buddies
     (``per_node``: ranks per node; None without replication), the copy its buddy holds for it (``helds[buddy]``) —
-    when it is not older than the persistent tier's ``tracked`` step; else None. The same on every rank (the
-    inputs are gathered)."""
+    when it is not older than the persistent tier's ``tracked`` step; else None. The rule with every rank's holdings
+    in view: :meth:`MemoryTier.restore` reaches the same step with each rank's own and its buddy's holdings and a
+    store agreement (tests/unit/distributed/test_agree.py holds the two equal)."""
     world = len(owns)
 
     def holds(rank: int) -> set[int]:

@@ -15,7 +15,7 @@ from torch.distributed import Store, TCPStore
 
 from lifecycle.distributed.agree import Agreements
 from lifecycle.errors import HangError
-from lifecycle.recovery.memory import choose
+from lifecycle.recovery.memory import buddy_of, choose, ward_of
 
 T = TypeVar("T")
 
@@ -94,6 +94,31 @@ def test_generated_agreements_equal_the_collectives_on_every_rank(server: TCPSto
         answers, _ = _ranks(server, world, f"gen/{case}", body)
         expected = (all(flags), max(values), choose(owns, owns, None, floor), [7, [3, 4]])
         assert all(tuple(a) == expected for a in answers), (case, answers, expected)
+
+
+@pytest.mark.timeout(120)
+def test_the_restore_step_from_each_rank_s_and_its_buddy_s_holdings_is_choose_s(server: TCPStore) -> None:
+    """What MemoryTier.restore agrees on — each rank offers its own steps and those its buddy holds for it (learned
+    over their pair) — equals ``choose`` with every rank's holdings in view, with buddies on other nodes."""
+    rng = random.Random(5454)
+    for case in range(8):
+        per_node, nodes = rng.choice([(1, 4), (2, 2), (2, 3), (4, 2), (1, 5)])
+        world = per_node * nodes
+        owns = [set(rng.sample(range(1, 9), rng.randrange(0, 4))) for _ in range(world)]
+        helds = [set(rng.sample(range(1, 9), rng.randrange(0, 4))) for _ in range(world)]  # held for ward_of(r)
+        tracked = rng.randrange(0, 5)
+
+        def body(a: Agreements, owns: list[set[int]] = owns, helds: list[set[int]] = helds, tracked: int = tracked,
+                 per_node: int = per_node, world: int = world) -> int | None:
+            held_for_me = helds[buddy_of(a.rank, world, per_node)]
+            assert ward_of(buddy_of(a.rank, world, per_node), world, per_node) == a.rank
+            mine = {s for s in owns[a.rank] | held_for_me if s >= max(tracked, 1)}
+            return a.newest_common("memory copies", mine, 10.0)
+
+        answers, _ = _ranks(server, world, f"restore/{case}", body)
+        expected = choose(owns, helds, per_node, tracked)
+        assert answers == [expected] * world or (expected is None and answers == [None] * world), \
+            (case, answers, expected)
 
 
 @pytest.mark.timeout(120)

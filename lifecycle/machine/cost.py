@@ -21,11 +21,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from lifecycle.distributed.comm_memory import backend_of
+from lifecycle.distributed.comm_memory import GLOO_TWINS, backend_of
 from lifecycle.distributed.layout import Layout
 from lifecycle.distributed.pairs import sockets_per_rank
 from lifecycle.errors import PolicyError, PolicyIssue
 from lifecycle.jsontypes import JsonDict
+from lifecycle.policy.groupnames import GROUP_NAMES
 from lifecycle.policy.schema import Policy
 from lifecycle.watchdog.core import FULL_VIEW_MAX, straggler_every_s
 
@@ -34,9 +35,10 @@ POLL_CALLS = 5
 alarm, ``add(key, 0)`` of its ring neighbour's and rank 0's heartbeats (lifecycle/watchdog/core.py ``_tick``)."""
 RECORD_BYTES = 240
 """A progress record's JSON in the store, as a training rank publishes it (measured: 200-240 B at a step)."""
-FDS_BEFORE_GROUPS = 160
-"""Descriptors a rank holds before any group connects: the interpreter, torch's and megatron-core's libraries, its
-log, events and store connections (measured on a rank of the default job: ~120)."""
+FDS_BEFORE_GROUPS = 64
+"""Descriptors a rank holds besides its gloo sockets: its log, events, pipes, store connections (measured: 48
+descriptors, 23 of them gloo sockets, on a synthetic rank of `lifecycle run` at world 4 with the memory tier; 64 leaves
+room)."""
 STORE_CALLS_PER_S = 46_000
 """What one TCPStore server (libuv) answered here with both cores issuing the watchdog's poll mix
 (bench/scale.py capacity, bench/RESULTS.md "At scale"): the default of ``watchdog.store_budget_calls_per_s`` is a
@@ -70,8 +72,20 @@ def sockets(policy: Policy, layout: Layout, rank: int, ranks_per_node: int) -> l
     if backend_of(policy) == "gloo" and world > 1:
         out.append(Sockets("default group (gloo)", "torch", world - 1, "distributed.backend",
                            "distributed.backend=nccl on GPUs, or fewer ranks a job"))
+        # the layout's other groups are gloo groups too on this backend (each distinct rank set once: a lower bound,
+        # megatron-core makes some twice); NCCL's communicators connect by NCCL's own means
+        seen = {layout.group_of("world", rank)}
+        mesh = 0
+        for name in GROUP_NAMES:
+            group = layout.group_of(name, rank)
+            if group is not None and group not in seen and name not in GLOO_TWINS:
+                seen.add(group)
+                mesh += group.size - 1
+        if mesh:
+            out.append(Sockets("the layout's groups (gloo)", "the trainer", mesh, "distributed.backend",
+                               "distributed.backend=nccl on GPUs, or smaller groups"))
     if policy.train.kind == "megatron_gpt":
-        for name in ("dp_gloo", "dp_cp_gloo", "edp_gloo"):
+        for name in GLOO_TWINS:
             group = layout.group_of(name, rank)
             if group is not None and group.size > 1:
                 out.append(Sockets(f"megatron-core {name}", "megatron-core", group.size - 1, "train.kind",

@@ -82,9 +82,6 @@ class Agreements:
         key, mine, expected = f"{base}/max", str(value), ""
         while True:  # compare_set answers what stands after it: ours, or another rank's
             got = bytes(self.store.compare_set(key, expected, mine)).decode()
-            if not got:
-                expected = ""  # (a missing key read as the expected value) nothing stands yet
-                continue
             if got == mine or int(got) >= value:
                 break
             expected = got  # a smaller value stands: replace exactly it
@@ -127,8 +124,3 @@ class Agreements:
                 got = self.store.multi_get([f"{base}/p/{r}" for r in present]) if present else []
                 odd[name] = {r: bytes(v) for r, v in zip(present, got, strict=True)}
         return odd
-
-    def close(self) -> None:
-        """Nothing of this rank's last agreement is read by anyone once every rank is past it; left for the store
-        to drop with the run (a last barrier would cost every rank a wait)."""
-        self._stale = []

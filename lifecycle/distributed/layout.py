@@ -19,10 +19,14 @@ import itertools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from lifecycle.errors import UsageError
 from lifecycle.policy import installed
 from lifecycle.policy.groupnames import GROUP_NAMES, closest
+
+if TYPE_CHECKING:
+    from lifecycle.policy.schema import Policy
 
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"
 _DIMS = ("tp", "pp", "dp", "ep", "cp")
@@ -429,6 +433,14 @@ def build_layout(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int
     if pp > 1 and not order.endswith("pp"):
         _check_pp_agrees(layout)
     return layout
+
+
+def of_policy(policy: Policy, world_size: int) -> Layout:
+    """:func:`build_layout` for ``policy``'s parallelism at ``world_size`` (a UsageError where Megatron's rules
+    refuse it)."""
+    par = policy.parallelism
+    return build_layout(world_size, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep, etp=par.etp,
+                        dist_opt_instances=par.dist_opt_instances, order=par.order)
 
 
 def _check_pp_agrees(layout: Layout) -> None:

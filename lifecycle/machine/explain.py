@@ -54,14 +54,13 @@ class LayoutView:
 
 
 def layout_for(loaded: Loaded, world_size: int) -> Layout:
-    from lifecycle.distributed.layout import build_layout
+    """The policy's layout at ``world_size``, after the world-size rules (a PolicyError naming the policy's file)."""
+    from lifecycle.distributed.layout import of_policy
 
     issues = world_issues(loaded.policy, world_size)
     if issues:
         raise PolicyError(issues, source=loaded.source)
-    par = loaded.policy.parallelism
-    return build_layout(world_size, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep, etp=par.etp,
-                        dist_opt_instances=par.dist_opt_instances, order=par.order)
+    return of_policy(loaded.policy, world_size)
 
 
 def group_summary(layout: Layout, rank: int) -> JsonDict:

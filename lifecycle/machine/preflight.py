@@ -275,11 +275,9 @@ def check_comm_budget(policy: Policy, world_size: int, ranks_per_node: int) -> N
     if budget is None:
         return
     from lifecycle.distributed.comm_memory import policy_bill
-    from lifecycle.distributed.layout import build_layout
+    from lifecycle.distributed.layout import of_policy
 
-    par = policy.parallelism
-    layout = build_layout(world_size, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep, etp=par.etp,
-                          dist_opt_instances=par.dist_opt_instances, order=par.order)
+    layout = of_policy(policy, world_size)
     step = max(world_size // 4096, 1)
     worst = None
     for rank in sorted({*range(0, world_size, step), world_size - 1}):
@@ -305,13 +303,10 @@ def check_control_plane(policy: Policy, world_size: int, ranks_per_node: int) ->
     """The plan's sockets within this process's open-file limit (which the ranks it starts inherit; a rank under
     torchrun or srun checks its own) and the watchdogs' store calls within ``watchdog.store_budget_calls_per_s``
     (:func:`lifecycle.machine.cost.limits`), or a PolicyError (exit 2) naming the key that lowers it."""
-    from lifecycle.distributed.layout import build_layout
+    from lifecycle.distributed.layout import of_policy
     from lifecycle.machine.cost import limits
 
-    par = policy.parallelism
-    layout = build_layout(world_size, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep, etp=par.etp,
-                          dist_opt_instances=par.dist_opt_instances, order=par.order)
-    limits(policy, layout, ranks_per_node)
+    limits(policy, of_policy(policy, world_size), ranks_per_node)
 
 
 ENV_EVENTS_FLUSH = "LIFECYCLE_EVENTS_FLUSH_EVERY"

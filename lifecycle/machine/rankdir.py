@@ -63,12 +63,10 @@ def _last_save_s(run_dir: Path) -> float | None:
 def _layout_issues(policy: Policy, world_size: int) -> list[PolicyIssue]:
     """Megatron's own layout rules at this world size (instances, order), checked as its
     ``initialize_model_parallel`` would check them after init."""
-    from lifecycle.distributed.layout import build_layout
+    from lifecycle.distributed.layout import of_policy
 
-    par = policy.parallelism
     try:
-        build_layout(world_size, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep, etp=par.etp,
-                     dist_opt_instances=par.dist_opt_instances, order=par.order)
+        of_policy(policy, world_size)
     except UsageError as exc:
         key = "parallelism.dist_opt_instances" if "dist_opt_instances" in str(exc) else (
             "parallelism.order" if "order" in str(exc) else "parallelism")

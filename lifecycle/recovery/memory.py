@@ -233,6 +233,7 @@ class MemoryTier:
         if not dist.is_initialized() or self.world < 2:
             return False
         from lifecycle.distributed.pairs import make_pairs
+        from lifecycle.watchdog.sidechannel import CLIENTS
 
         if self.buddy is not None:
             self.pairs = make_pairs(self.rank, self.world, ranks_per_node(self.world), ctx.deadline("checkpoint"))
@@ -240,8 +241,6 @@ class MemoryTier:
         ranks = list(range(self.world))
         round_ = f"{ctx.attempt}/{ctx.comms.restart_round}"
         self.agree = Agreements(store, self.rank, ranks, f"memory/{round_}/main", phase="checkpoint", group="memory")
-        from lifecycle.watchdog.sidechannel import CLIENTS
-
         with CLIENTS:  # one client made at a time in a process (see CLIENTS)
             own = store.clone()
         self.agree_bg = Agreements(own, self.rank, ranks, f"memory/{round_}/copies", phase="checkpoint", group="memory")
@@ -446,10 +445,10 @@ class MemoryTier:
             log.warning("memory copies of steps %s not used: rejected after an earlier restore (%s)",
                         sorted(self.rejected & set(own + held)), Path(ctx.policy.checkpoint.dir) / rejections.NAME)
             own, held = [s for s in own if s not in self.rejected], [s for s in held if s not in self.rejected]
-        held_for_me, ward_owns = self._swap_holdings(own, held, ctx.deadline("checkpoint"))
+        deadline = ctx.deadline("checkpoint")
+        held_for_me, ward_owns = self._swap_holdings(own, held, deadline)
         floor = max(tracked, 1)
         mine = {s for s in set(own) | held_for_me if s >= floor}  # what this rank can load: its own, or its buddy's
-        deadline = ctx.deadline("checkpoint")
         best = self.agree.newest_common("memory copies", mine, deadline) if self.agree is not None else \
             max(mine, default=None)
         if best is None:
